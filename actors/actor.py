@@ -1,0 +1,215 @@
+"""The actor process: take permits, play episodes in batches, stream segments, follow new weights.
+
+It never waits for the learner: permits are granted by the broker, weights are pulled when the
+broker announces a newer version (between turns, and every ``poll_every_tokens`` during a
+generation), and a broker restart is survived by reconnecting and saying HELLO again.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import zlib
+from typing import Any, Callable
+
+import structlog
+from prometheus_client import Counter, Gauge, Histogram
+
+from actors.engine import SamplingParams, make_engine
+from actors.envs import make_env
+from actors.episode import ChatFormat, Episode
+from common.config import Config
+from common.log import bind_version
+from common.metrics import Health
+from common.model import load_tokenizer
+from common.trajectory import Segment
+from common.transport import Client, Endpoint, TransportError
+from common.weights import unpack_state_dict
+
+log = structlog.get_logger()
+
+M_TOKENS = Counter("asyncppo_actor_tokens_generated_total", "Tokens sampled by the policy.")
+M_EPISODES = Counter("asyncppo_actor_episodes_total", "Episodes finished.")
+M_SEGMENTS = Counter("asyncppo_actor_segments_sent_total", "Segments acknowledged by the broker.")
+M_LOST = Counter("asyncppo_actor_segments_discarded_total", "Segments the broker refused for good.", ["reason"])
+M_REWARD = Histogram("asyncppo_actor_episode_reward", "Episode reward.", buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 2))
+M_SYNC = Histogram("asyncppo_actor_weight_sync_seconds", "Seconds to fetch and load a new policy version.",
+                   buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+M_VERSION = Gauge("asyncppo_actor_policy_version", "Policy version loaded in the engine.")
+M_HACKS = Counter("asyncppo_actor_hacks_intercepted_total", "Tool calls intercepted by the reward-hacking guard.")
+
+
+def actor_id(cfg: Config) -> str:
+    return cfg.actor.id or os.environ.get("ASYNCPPO_ACTOR_ID") or f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Actor:
+    def __init__(self, cfg: Config, health: Health | None = None):
+        self.cfg = cfg
+        self.health = health or Health()
+        self.id = actor_id(cfg)
+        self.endpoint = Endpoint(cfg.security, cfg.broker.max_message_bytes)
+        self.client = Client(self.endpoint, cfg.actor.broker, self.id, timeout_s=30.0)
+        self.engine = make_engine(cfg.actor.engine, cfg.model.path, poll_every=cfg.actor.poll_every_tokens)
+        self.fmt = ChatFormat(load_tokenizer(cfg.model.path))
+        self.engine.version = -1  # the local checkpoint is not a published version: fetch one first
+        self.held: list[dict] = []
+        self.latest = -1
+        self.episodes_started = 0
+        self._last_poll = 0.0
+        self.should_stop: Callable[[], bool] = lambda: False
+        log.info("actor starting", actor_id=self.id, broker=cfg.actor.broker, engine=cfg.actor.engine,
+                 env=cfg.actor.env)
+
+    # ------------------------------------------------------------ broker calls
+    def _call(self, kind: str, header: dict | None = None, tensors: dict | None = None) -> Any:
+        """A request that survives broker restarts: retry with backoff, re-HELLO when forgotten."""
+        delay = 0.2
+        while True:
+            try:
+                return self.client.request(kind, header, tensors)
+            except TransportError as exc:
+                if not exc.retryable:
+                    raise
+                if self.should_stop():
+                    raise
+                self.health.beat(f"broker ({exc})")
+                log.warning("broker request failed, retrying", kind=kind, error=str(exc), retry_in_s=delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                if exc.code == "unknown_actor":
+                    self.hello()
+
+    def hello(self) -> None:
+        """Register (again, after a broker restart), naming the permits we still work on."""
+        try:
+            reply = self.client.request("HELLO", {"role": "actor", "version": self.engine.version,
+                                                  "held_permits": [p["id"] for p in self.held]})
+        except TransportError as exc:
+            log.warning("HELLO failed; will retry", error=str(exc))
+            return
+        self.latest = reply.header["latest_version"]
+
+    def sync_weights(self) -> None:
+        """Fetch the newest complete version if it is newer than ours (chunks pipelined, verified)."""
+        t0 = time.monotonic()
+        reply = self._call("WEIGHTS_INFO")
+        if reply.kind != "WEIGHTS_MANIFEST":
+            self.latest = reply.header["latest_version"]
+            return
+        manifest = reply.header["manifest"]
+        if manifest["version"] <= self.engine.version:
+            return
+        try:
+            chunks = self.client.pipeline("WEIGHTS_GET", [{"version": manifest["version"], "chunk": i}
+                                                          for i in range(len(manifest["chunks"]))])
+        except TransportError as exc:
+            log.warning("weight download interrupted", version=manifest["version"], error=str(exc))
+            return
+        tensors = unpack_state_dict(manifest, [m.tensors["data"] for m in chunks])
+        self.engine.load_weights(manifest["version"], tensors)
+        self.latest = max(self.latest, manifest["version"])
+        M_VERSION.set(manifest["version"])
+        M_SYNC.observe(time.monotonic() - t0)
+        bind_version(manifest["version"])
+        log.info("weights loaded", version=manifest["version"], bytes=manifest["total_bytes"],
+                 seconds=round(time.monotonic() - t0, 3))
+
+    def _poll(self) -> None:
+        """Between turns and during generation: heartbeat, and swap to a newer version if there is one."""
+        now = time.monotonic()
+        if now - self._last_poll < 0.5:
+            return
+        self._last_poll = now
+        self.latest = self._call("HEARTBEAT", {"version": self.engine.version}).header["latest_version"]
+        self.health.beat("generating")
+        if self.latest > self.engine.version:
+            self.sync_weights()
+
+    def request_permits(self) -> list[dict]:
+        reply = self._call("PERMITS_REQ", {"n": self.cfg.actor.permits_per_request, "version": self.engine.version,
+                                           "group": self.cfg.actor.group_size})
+        self.latest = reply.header["latest_version"]
+        if reply.kind == "PERMITS":
+            return reply.header["permits"]
+        self.health.beat(f"permits ({reply.header['reason']})")
+        if reply.header["reason"] == "stale_weights":
+            self.sync_weights()
+        else:
+            time.sleep(reply.header["retry_after_s"])
+        return []
+
+    def send(self, seg: Segment) -> None:
+        try:
+            reply = self._call("TRAJ", seg.header(), seg.arrays())
+        except TransportError as exc:  # refused for good (unknown permit after a broker restart, ...)
+            M_LOST.labels(reason=exc.code).inc()
+            log.warning("segment refused", traj_id=seg.traj_id, error=str(exc))
+            return
+        if reply.header.get("dropped"):
+            M_LOST.labels(reason=reply.header["dropped"]).inc()
+        else:
+            M_SEGMENTS.inc()
+
+    # --------------------------------------------------------------- rollouts
+    def rollout(self, permits: list[dict]) -> None:
+        """Play one episode per permit as a batch; send each segment as soon as it is finished."""
+        group = self.cfg.actor.group_size
+        episodes = []
+        for i, permit in enumerate(permits):
+            if i % group == 0:
+                seed = zlib.crc32(f"{self.cfg.actor.seed}/{self.id}/{self.episodes_started}".encode())
+                group_id = f"{self.id}.{self.episodes_started}" if group > 1 else None
+            env = make_env(self.cfg.actor.env, **self.cfg.actor.env_kwargs)
+            episodes.append(Episode(env, self.fmt, seed=seed, permit=permit["id"], actor_id=self.id,
+                                    group_id=group_id, max_turns=self.cfg.actor.max_turns,
+                                    context_budget=self.cfg.actor.context_budget_tokens))
+            self.episodes_started += 1
+        while active := [e for e in episodes if not e.done]:
+            env = active[0].env
+            params = SamplingParams(max_new_tokens=env.max_new_tokens, temperature=self.cfg.actor.temperature,
+                                    top_p=self.cfg.actor.top_p, stop=list(env.stop),
+                                    stop_token_ids=self.fmt.stop_token_ids)
+            gens = self.engine.generate([e.context for e in active], params, poll_weights=self._poll)
+            for ep, gen in zip(active, gens, strict=True):
+                M_TOKENS.inc(len(gen.token_ids))
+                for seg in ep.step(gen):
+                    self.send(seg)
+                if ep.done:
+                    self._finish(ep)
+            self._poll()
+
+    def _finish(self, ep: Episode) -> None:
+        reward = sum(s.reward for s in ep.segments)
+        M_EPISODES.inc()
+        M_REWARD.observe(reward)
+        M_HACKS.inc(int(ep.info.get("hacks_intercepted", 0)))
+        self.held = [p for p in self.held if p["id"] != ep.permit]
+
+    def run(self, should_stop: Callable[[], bool]) -> None:
+        self.should_stop = should_stop
+        self.latest = self._call("HELLO", {"role": "actor", "version": -1, "held_permits": []}).header["latest_version"]
+        self.health.ready = True
+        try:
+            while not should_stop():
+                self.health.beat("permits")
+                if self.latest > self.engine.version or self.engine.version < 0:
+                    self.sync_weights()
+                    if self.engine.version < 0:
+                        time.sleep(0.2)
+                        continue
+                permits = self.request_permits()
+                if permits:
+                    self.held = list(permits)
+                    self.rollout(permits)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        try:
+            self.client.request("BYE", timeout_s=1.0)
+        except TransportError:
+            pass  # the broker is gone; it will reclaim our permits by heartbeat timeout
+        self.client.close()
+        log.info("actor stopped", actor_id=self.id, episodes=self.episodes_started)

@@ -1,0 +1,142 @@
+"""Turning an environment interaction into trained segments, token by token.
+
+The policy's own sampled ids are kept exactly (token in, token out: nothing is re-tokenized);
+chat-template scaffolding and tool output are observation tokens (mask 0, no log-prob, version
+-1); a step's reward sits on its last action token. When the context passes its budget the
+environment compacts, the current segment ends ``truncated`` (the learner bootstraps there) and a
+new segment starts from the compacted observation.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from actors.engine import Generation
+from actors.envs.base import Environment, StepResult
+from common.trajectory import Segment
+
+MARK = "\u2063"  # an invisible separator used to locate the assistant's text in a rendered template
+
+
+class ChatFormat:
+    """Token ids of the chat template around actions, computed once per tokenizer.
+
+    ``prompt(obs)`` is the start of a conversation up to the assistant's turn; ``turn(obs, ended)``
+    is what follows an assistant action: its end-of-turn marker (unless the engine already sampled
+    it), the observation as the next user message, and the next generation prompt.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tok = tokenizer
+        user = [{"role": "user", "content": "x"}]
+        one = self._render(user + [{"role": "assistant", "content": MARK}])
+        self.end_of_turn = one[one.index(MARK) + len(MARK):]
+        self.stop_token_ids = [i for i in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+                               if isinstance(i, int) and i != tokenizer.unk_token_id]
+
+    def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def prompt(self, observation: str) -> list[int]:
+        return self._ids(self._render([{"role": "user", "content": observation}], generation_prompt=True))
+
+    def turn(self, observation: str, action_ids: list[int]) -> list[int]:
+        messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": MARK},
+                    {"role": "user", "content": observation}]
+        text = self._render(messages, generation_prompt=True)
+        text = text[text.index(MARK) + len(MARK):]
+        if action_ids and action_ids[-1] in self.stop_token_ids:
+            stop_text = self.tok.decode([action_ids[-1]], skip_special_tokens=False)
+            text = text.removeprefix(stop_text)
+        return self._ids(text)
+
+
+@dataclass
+class SegmentBuilder:
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    turns: int = 0
+
+    def observe(self, ids: list[int]) -> None:
+        self.tokens += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+        self.rewards += [0.0] * len(ids)
+
+    def act(self, gen: Generation, reward: float) -> None:
+        self.tokens += gen.token_ids
+        self.mask += [1] * len(gen.token_ids)
+        self.logprobs += gen.logprobs
+        self.versions += gen.versions
+        self.rewards += [0.0] * (len(gen.token_ids) - 1) + [reward]
+        self.turns += 1
+
+
+class Episode:
+    """One environment episode played by the policy; emits finished segments as it goes."""
+
+    def __init__(self, env: Environment, fmt: ChatFormat, *, seed: int, permit: str, actor_id: str,
+                 group_id: str | None, max_turns: int, context_budget: int):
+        self.env, self.fmt = env, fmt
+        self.permit, self.actor_id, self.group_id = permit, actor_id, group_id
+        self.max_turns, self.context_budget = max_turns, context_budget
+        self.episode_id = uuid.uuid4().hex
+        self.segments: list[Segment] = []
+        self.turns = 0
+        self.compactions = 0
+        self.done = False
+        self.info: dict[str, Any] = {}
+        self.current = SegmentBuilder()
+        self.current.observe(fmt.prompt(env.reset(seed)))
+
+    @property
+    def context(self) -> list[int]:
+        return self.current.tokens
+
+    def step(self, gen: Generation) -> list[Segment]:
+        """Apply one sampled action; returns segments that are now finished (to be sent)."""
+        text = self.fmt.tok.decode(gen.token_ids, skip_special_tokens=True)
+        result: StepResult = self.env.step(text)
+        self.turns += 1
+        self.info = dict(result.info)
+        truncated = result.truncated or (self.turns >= self.max_turns and not result.terminated)
+        self.current.act(gen, float(result.reward))
+        if result.terminated or truncated:
+            self.done = True
+            return [self._close(terminated=result.terminated, truncated=truncated, last=True)]
+        obs_ids = self.fmt.turn(result.observation, gen.token_ids)
+        if len(self.current.tokens) + len(obs_ids) + self.env.max_new_tokens > self.context_budget:
+            finished = self._close(terminated=False, truncated=True, last=False)
+            self.compactions += 1
+            self.current = SegmentBuilder()
+            self.current.observe(self.fmt.prompt(self.env.compact()))
+            return [finished]
+        self.current.observe(obs_ids)
+        return []
+
+    def _close(self, *, terminated: bool, truncated: bool, last: bool) -> Segment:
+        b = self.current
+        metrics = {k: v for k, v in self.info.items() if isinstance(v, (int, float, str, bool))}
+        metrics.update(turns=self.turns, segment_turns=b.turns, compactions=self.compactions)
+        seg = Segment(
+            traj_id=f"{self.episode_id}.{len(self.segments)}", episode_id=self.episode_id,
+            segment=len(self.segments), actor_id=self.actor_id, task=self.env.name, group_id=self.group_id,
+            permit=self.permit, last=last, terminated=terminated, truncated=truncated,
+            tokens=np.asarray(b.tokens, dtype="<i4"), action_mask=np.asarray(b.mask, dtype="|u1"),
+            behavior_logprobs=np.asarray(b.logprobs, dtype="<f4"), versions=np.asarray(b.versions, dtype="<i4"),
+            rewards=np.asarray(b.rewards, dtype="<f4"), metrics=metrics,
+        )
+        seg.validate()
+        self.segments.append(seg)
+        return seg

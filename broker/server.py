@@ -1,0 +1,414 @@
+"""The broker: one ROUTER socket, one thread, a loop of small handlers (docs/protocol.md).
+
+Actors ask for permits, stream segments and fetch weights; the learner asks for batches and
+publishes weights. The broker never blocks on anyone: a GET_BATCH that cannot be served yet is
+parked and answered when enough whole episodes are queued (or with WAIT after ``batch_wait_s``,
+naming what it waits for). Every rejection is an ERROR reply plus a counter, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict, deque
+from typing import Any
+
+import numpy as np
+import structlog
+import zmq
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Gauge, Histogram
+
+from broker.admission import Admission, Permit
+from broker.spool import Spool
+from broker.weights import WeightStore, WeightVersion
+from common.config import Config
+from common.metrics import Health
+from common.protocol import Message, ProtocolError, decode, encode, error_frames
+from common.trajectory import Segment
+from common.transport import Endpoint, send
+
+log = structlog.get_logger()
+
+M_RECEIVED = PromCounter("asyncppo_broker_trajectories_received_total", "Trajectory segments received.")
+M_ACCEPTED = PromCounter("asyncppo_broker_trajectories_accepted_total", "Segments accepted (acknowledged).")
+M_REJECTED = PromCounter("asyncppo_broker_trajectories_rejected_total", "Messages rejected, by reason.", ["reason"])
+M_DROPPED = PromCounter("asyncppo_broker_trajectories_dropped_total", "Accepted segments dropped by rule.", ["reason"])
+M_HANDED = PromCounter("asyncppo_broker_trajectories_handed_out_total", "Segments handed to the learner.")
+M_QUEUE_ITEMS = Gauge("asyncppo_broker_queue_items", "Segments queued (complete and partial episodes).")
+M_QUEUE_BYTES = Gauge("asyncppo_broker_queue_bytes", "Bytes of queued segments.")
+M_PERMITS = PromCounter("asyncppo_broker_permits_granted_total", "Rollout permits granted.")
+M_PERMITS_USE = Gauge("asyncppo_broker_permits_in_use", "Permits granted whose episode is not complete.")
+M_ACTORS = Gauge("asyncppo_broker_actors_connected", "Actors seen within the heartbeat timeout.")
+M_VERSION = Gauge("asyncppo_broker_policy_version", "Newest complete policy version.")
+M_BYTES_IN = PromCounter("asyncppo_broker_bytes_received_total", "Bytes received on the socket.")
+M_BYTES_OUT = PromCounter("asyncppo_broker_bytes_sent_total", "Bytes sent on the socket.")
+M_FANOUT = Histogram("asyncppo_broker_weight_fanout_seconds", "Commit of a version to an actor's last chunk of it.",
+                     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+
+ACTOR_KINDS = {"PERMITS_REQ", "TRAJ", "BYE"}
+LEARNER_KINDS = {"GET_BATCH", "PUBLISH_BEGIN", "PUBLISH_CHUNK", "PUBLISH_COMMIT"}
+SEEN_IDS = 1_000_000  # traj_ids remembered for duplicate detection
+
+
+def _nbytes(frames: list) -> int:
+    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+
+
+class Broker:
+    def __init__(self, cfg: Config, health: Health | None = None):
+        self.cfg = cfg.broker
+        self.health = health or Health()
+        self.endpoint = Endpoint(cfg.security, cfg.broker.max_message_bytes)
+        self.sock = self.endpoint.server(cfg.broker.bind)
+        self.admission = Admission(batch_size=cfg.learner.batch_size, publish_every=cfg.learner.publish_every,
+                                   max_staleness=cfg.broker.max_staleness)
+        self.weights = WeightStore()
+        self.partial: dict[str, list[Segment]] = {}  # permit id -> segments of an unfinished episode
+        self.complete: deque[tuple[Permit, list[Segment]]] = deque()  # whole episodes, arrival order
+        self.queue_bytes = 0
+        self.seen: OrderedDict[str, None] = OrderedDict()
+        self.actors: dict[str, float] = {}  # actor id -> last message (monotonic)
+        self.actor_versions: dict[str, int] = {}  # actor id -> version it last reported (kept after it leaves)
+        self.learner_id: str | None = None
+        self.pending_batch: tuple[list, Message, float] | None = None
+        self.batch_id = 0
+        self.commit_time: dict[int, float] = {}
+        self.counts: Counter[str] = Counter()
+        self.spool = Spool(self.cfg.spool_dir) if self.cfg.spool_dir else None
+        self._dirty = False
+        if self.spool:
+            self._restore()
+        M_VERSION.set(self.weights.latest_version)
+        log.info("broker listening", bind=self.cfg.bind, max_staleness=self.cfg.max_staleness,
+                 spool=self.cfg.spool_dir, curve=cfg.security.curve, version=self.weights.latest_version)
+
+    # ------------------------------------------------------------------ loop
+    def run(self, should_stop: Any) -> None:
+        """Serve until ``should_stop()`` is true."""
+        self.health.ready = True
+        while not should_stop():
+            if self.sock.poll(50):
+                for _ in range(512):
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self.handle(frames)
+            self.tick()
+        self.close()
+
+    def close(self) -> None:
+        self._flush_state()
+        self.sock.close(linger=0)
+        self.endpoint.close()
+
+    def tick(self) -> None:
+        """Periodic work: reap silent actors, answer a parked GET_BATCH, export gauges, persist state."""
+        now = time.monotonic()
+        for actor_id, last in list(self.actors.items()):
+            if now - last > self.cfg.heartbeat_timeout_s:
+                del self.actors[actor_id]
+                self._reclaim(actor_id, reason="actor_timeout")
+        if self.pending_batch is not None:
+            self._try_batch()
+        M_QUEUE_ITEMS.set(sum(len(s) for s in self.partial.values()) + sum(len(s) for _, s in self.complete))
+        M_QUEUE_BYTES.set(self.queue_bytes)
+        M_PERMITS_USE.set(len(self.admission.in_flight))
+        M_ACTORS.set(len(self.actors))
+        self.health.beat("messages")
+        self._flush_state()
+
+    def handle(self, frames: list) -> None:
+        envelope, body = frames[:1], frames[1:]
+        M_BYTES_IN.inc(sum(f.buffer.nbytes for f in frames))
+        msg = None
+        try:
+            msg = decode(body, max_bytes=self.cfg.max_message_bytes)
+            reply = self._dispatch(msg, envelope, body)
+        except ProtocolError as exc:
+            self._count_reject(exc, msg)
+            self._send(envelope, error_frames(exc, msg.req if msg else 0))
+            return
+        if reply is not None:
+            self._send(envelope, reply)
+
+    def _dispatch(self, msg: Message, envelope: list, body: list) -> list | None:
+        head = msg.header
+        client = head.get("id")
+        if not isinstance(client, str) or not client:
+            raise ProtocolError("missing_field", "id", "every request carries the client id")
+        if msg.kind in LEARNER_KINDS and client != self.learner_id:
+            raise ProtocolError("not_learner", "id", f"{client!r} is not the registered learner; send HELLO first")
+        if msg.kind in ACTOR_KINDS | {"HEARTBEAT"} and client != self.learner_id:
+            if client not in self.actors and msg.kind != "BYE":
+                raise ProtocolError("unknown_actor", "id", f"actor {client!r} is not registered; send HELLO",
+                                    retryable=True)
+            self.actors[client] = time.monotonic()
+            if isinstance(head.get("version"), int) and msg.kind != "TRAJ":
+                self.actor_versions[client] = head["version"]
+        if msg.kind == "GET_BATCH":  # parked until a batch is ready (or batch_wait_s passes)
+            self.pending_batch = (envelope, msg, time.monotonic() + self.cfg.batch_wait_s)
+            self._try_batch()
+            return None
+        handler = getattr(self, f"_on_{msg.kind.lower()}", None)
+        if handler is None:
+            raise ProtocolError("unknown_kind", "kind", f"{msg.kind} is not a request the broker serves")
+        return handler(msg, body) if msg.kind == "TRAJ" else handler(msg)
+
+    def _send(self, envelope: list, frames: list) -> None:
+        try:
+            send(self.sock, frames, envelope)
+            M_BYTES_OUT.inc(_nbytes(frames))
+        except zmq.ZMQError as exc:  # the peer vanished (ROUTER_MANDATORY): nothing to deliver to
+            log.debug("reply undeliverable", error=str(exc))
+
+    def _reply(self, msg: Message, kind: str, header: dict | None = None, tensors: dict | None = None) -> list:
+        return encode(kind, {"req": msg.req, **(header or {})}, tensors)
+
+    def _count_reject(self, exc: ProtocolError, msg: Message | None) -> None:
+        M_REJECTED.labels(reason=exc.code).inc()
+        self.counts[f"rejected_{exc.code}"] += 1
+        self.counts["rejected_invalid"] += exc.code not in ("busy", "unknown_actor", "version_gone")
+        log.warning("rejected message", kind=msg.kind if msg else None, code=exc.code, field=exc.field,
+                    detail=exc.detail, client=msg.header.get("id") if msg else None)
+
+    # ------------------------------------------------------------ handlers
+    def _on_hello(self, msg: Message) -> list:
+        head, client = msg.header, msg.header["id"]
+        if head["role"] == "learner":
+            for key in ("batch_size", "publish_every"):
+                if not isinstance(head.get(key), int) or head[key] < 1:
+                    raise ProtocolError("bad_value", key, "learner HELLO needs an int >= 1")
+            self.admission.configure(batch_size=head["batch_size"], publish_every=head["publish_every"])
+            self.learner_id = client
+            log.info("learner connected", learner=client, version=head["version"], batch_size=head["batch_size"])
+        elif head["role"] == "actor":
+            held = head.get("held_permits", [])
+            if not isinstance(held, list) or not all(isinstance(p, str) for p in held):
+                raise ProtocolError("bad_type", "held_permits", "must be a list of permit ids")
+            self._reclaim(client, keep=set(held), reason="actor_restart")
+            self.actors[client] = time.monotonic()
+            log.info("actor connected", actor=client, version=head["version"], actors=len(self.actors))
+        else:
+            raise ProtocolError("bad_value", "role", f"must be 'actor' or 'learner', got {head['role']!r}")
+        return self._reply(msg, "WELCOME", {"latest_version": self.weights.latest_version,
+                                            "max_staleness": self.cfg.max_staleness,
+                                            "heartbeat_s": self.cfg.heartbeat_timeout_s / 3})
+
+    def _on_heartbeat(self, msg: Message) -> list:
+        return self._reply(msg, "HEARTBEAT_ACK", {"latest_version": self.weights.latest_version})
+
+    def _on_bye(self, msg: Message) -> list:
+        self.actors.pop(msg.header["id"], None)
+        self._reclaim(msg.header["id"], reason="actor_left")
+        return self._reply(msg, "OK")
+
+    def _wait(self, msg: Message, reason: str, retry_after_s: float) -> list:
+        return self._reply(msg, "WAIT", {"reason": reason, "retry_after_s": retry_after_s,
+                                         "latest_version": self.weights.latest_version})
+
+    def _on_permits_req(self, msg: Message) -> list:
+        head, latest = msg.header, self.weights.latest_version
+        group = head.get("group", 1)
+        if not isinstance(group, int) or group < 1 or head["n"] < 1:
+            raise ProtocolError("bad_value", "n", "n and group must be ints >= 1")
+        if latest < 0:
+            return self._wait(msg, "no_weights", 0.5)
+        if head["version"] != latest:
+            return self._wait(msg, "stale_weights", 0.0)
+        if self.queue_bytes > self.cfg.max_queue_bytes:
+            return self._wait(msg, "queue_full", 0.5)
+        permits = self.admission.grant(head["id"], head["n"], latest, group=group)
+        if not permits:
+            return self._wait(msg, "capacity", 0.2)
+        M_PERMITS.inc(len(permits))
+        self._dirty = True
+        return self._reply(msg, "PERMITS", {"permits": [{"id": p.id, "version": p.version} for p in permits],
+                                            "latest_version": latest})
+
+    def _on_traj(self, msg: Message, body: list) -> list:
+        M_RECEIVED.inc()
+        self.counts["received"] += 1
+        seg = Segment.from_wire(msg.header, msg.tensors, latest_version=self.weights.latest_version)
+        if seg.traj_id in self.seen:
+            return self._reply(msg, "ACK", {"duplicate": True})
+        permit = self.admission.in_flight.get(seg.permit)
+        if permit is None or permit.actor_id != seg.actor_id:
+            raise ProtocolError("unknown_permit", "permit", f"{seg.permit!r} is not a permit held by {seg.actor_id!r}")
+        done = self.partial.get(permit.id, [])
+        if seg.segment != len(done) or (done and done[0].episode_id != seg.episode_id):
+            raise ProtocolError("bad_value", "segment", f"expected segment {len(done)} of episode "
+                                f"{done[0].episode_id if done else seg.episode_id!r}, got {seg.segment}")
+        if self.weights.latest_version - seg.min_version > self.cfg.max_staleness:
+            self._drop_episode(permit, done + [seg], "stale")
+            return self._reply(msg, "ACK", {"dropped": "stale"})
+        if self.queue_bytes + seg.nbytes > self.cfg.max_queue_bytes:
+            raise ProtocolError("busy", "tokens", "broker queue is full; retry later", retryable=True)
+        if self.spool:
+            self.spool.save_segment(f"{permit.id}.{seg.segment}", [f.bytes for f in body])
+        self._accept(permit, seg)
+        M_ACCEPTED.inc()
+        self.counts["accepted"] += 1
+        return self._reply(msg, "ACK")
+
+    def _accept(self, permit: Permit, seg: Segment) -> None:
+        self.partial.setdefault(permit.id, []).append(seg)
+        self.queue_bytes += seg.nbytes
+        self.seen[seg.traj_id] = None
+        if len(self.seen) > SEEN_IDS:
+            self.seen.popitem(last=False)
+        if seg.last:
+            self.admission.complete(permit.id)
+            self.complete.append((permit, self.partial.pop(permit.id)))
+            self._dirty = True
+
+    def _drop_episode(self, permit: Permit, segs: list[Segment], reason: str, *, queued: bool = False) -> None:
+        """Discard an episode by rule (stale, actor died): counted per segment and logged."""
+        accepted = [s for s in segs if s.traj_id in self.seen]
+        if queued:
+            self.admission.drop_queued(1)
+        else:
+            self.admission.in_flight.pop(permit.id, None)
+            self.partial.pop(permit.id, None)
+        for s in accepted:
+            self.queue_bytes -= s.nbytes
+            if self.spool:
+                self.spool.delete_segment(f"{permit.id}.{s.segment}")
+        M_DROPPED.labels(reason=reason).inc(len(segs))
+        self.counts[f"dropped_{reason}"] += len(segs)
+        self._dirty = True
+        log.info("episode dropped", reason=reason, permit=permit.id, actor=permit.actor_id, segments=len(segs))
+
+    def _reclaim(self, actor_id: str, keep: set[str] | frozenset[str] = frozenset(), reason: str = "actor_timeout") -> None:
+        permits = self.admission.reclaim(actor_id, keep)
+        for p in permits:
+            segs = self.partial.pop(p.id, [])
+            if segs:
+                self._drop_episode(p, segs, "incomplete_episode")
+        if permits:
+            self.counts["permits_reclaimed"] += len(permits)
+            self._dirty = True
+            log.warning("permits reclaimed", actor=actor_id, reason=reason, permits=len(permits))
+
+    # -------------------------------------------------------------- learner
+    def _try_batch(self) -> None:
+        envelope, msg, deadline = self.pending_batch  # type: ignore[misc]
+        head, eta = msg.header, self.cfg.max_staleness
+        v_learner, n = head["version"], head["n"]
+        for permit, segs in list(self.complete):
+            if v_learner - min(s.min_version for s in segs) > eta:
+                self.complete.remove((permit, segs))
+                self._drop_episode(permit, segs, "stale", queued=True)
+        stragglers = self.admission.stragglers(v_learner) if head["publishes_after"] else []
+        if stragglers or len(self.complete) < n:
+            if time.monotonic() >= deadline:
+                waiting = (f"{len(stragglers)} episodes of version <= {v_learner - eta} from "
+                           f"{sorted({p.actor_id for p in stragglers})}" if stragglers
+                           else f"{n - len(self.complete)} more whole episodes")
+                self.pending_batch = None
+                self._send(envelope, self._reply(msg, "WAIT", {"reason": waiting, "retry_after_s": 0.0,
+                                                               "latest_version": self.weights.latest_version}))
+            return
+        forced = [ep for ep in self.complete if head["publishes_after"] and ep[0].version <= v_learner - eta]
+        rest = [ep for ep in self.complete if ep not in forced]
+        take = forced + rest[:max(0, n - len(forced))]
+        for ep in take:
+            self.complete.remove(ep)
+        self.admission.consume(len(take))
+        headers, tensors = [], {}
+        for permit, segs in take:
+            for seg in segs:
+                tensors.update(seg.arrays(prefix=f"{len(headers)}."))
+                headers.append(seg.header())
+                self.queue_bytes -= seg.nbytes
+                if self.spool:
+                    self.spool.delete_segment(f"{permit.id}.{seg.segment}")
+        self.batch_id += 1
+        M_HANDED.inc(len(headers))
+        self.counts["handed_out"] += len(headers)
+        self.counts["episodes_handed_out"] += len(take)
+        self._dirty = True
+        self.pending_batch = None
+        self._send(envelope, self._reply(msg, "BATCH", {"batch_id": self.batch_id, "segments": headers}, tensors))
+
+    def _on_publish_begin(self, msg: Message) -> list:
+        self.weights.begin(msg.header["manifest"])
+        return self._reply(msg, "OK")
+
+    def _on_publish_chunk(self, msg: Message) -> list:
+        data = msg.tensors.get("data")
+        if data is None or data.dtype != np.uint8:
+            raise ProtocolError("missing_field", "data", "PUBLISH_CHUNK carries one uint8 tensor 'data'")
+        self.weights.put(msg.header["version"], msg.header["chunk"], data)
+        return self._reply(msg, "OK")
+
+    def _on_publish_commit(self, msg: Message) -> list:
+        wv = self.weights.commit(msg.header["version"])
+        self.admission.published()
+        self.commit_time = {wv.version: time.monotonic()}
+        if self.spool:
+            self.spool.save_weights(wv.version, wv.manifest, [bytes(c) for c in wv.chunks])  # type: ignore[arg-type]
+        self._dirty = True
+        M_VERSION.set(wv.version)
+        log.info("policy version published", version=wv.version, bytes=wv.manifest["total_bytes"],
+                 chunks=len(wv.chunks))
+        return self._reply(msg, "OK", {"version": wv.version})
+
+    # --------------------------------------------------------------- actors
+    def _on_weights_info(self, msg: Message) -> list:
+        latest = self.weights.latest
+        if latest is None:
+            return self._wait(msg, "no_weights", 0.5)
+        return self._reply(msg, "WEIGHTS_MANIFEST", {"manifest": latest.manifest})
+
+    def _on_weights_get(self, msg: Message) -> list:
+        version, index = msg.header["version"], msg.header["chunk"]
+        data = self.weights.chunk(version, index)
+        if index == len(self.weights.versions[version].chunks) - 1 and version in self.commit_time:
+            M_FANOUT.observe(time.monotonic() - self.commit_time[version])
+        return self._reply(msg, "WEIGHTS_CHUNK", {"version": version, "chunk": index},
+                           {"data": np.frombuffer(data, dtype=np.uint8)})
+
+    def _on_stats(self, msg: Message) -> list:
+        return self._reply(msg, "STATS_REPLY", {"stats": self.stats()})
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counts, "policy_version": self.weights.latest_version, "actors": len(self.actors),
+                "permits_in_use": len(self.admission.in_flight), "permits_granted": self.admission.granted_total,
+                "queued_episodes": len(self.complete), "queue_bytes": self.queue_bytes,
+                "partial_episodes": len(self.partial), "actor_versions": dict(self.actor_versions)}
+
+    # ----------------------------------------------------------- durability
+    def _flush_state(self) -> None:
+        if self.spool and self._dirty:
+            self.spool.save_state({"admission": self.admission.state(), "counts": dict(self.counts),
+                                   "batch_id": self.batch_id})
+            self._dirty = False
+
+    def _restore(self) -> None:
+        """Reload weights, permits and acknowledged segments after a restart (kill -9 included)."""
+        assert self.spool is not None
+        saved = self.spool.load_weights()
+        if saved:
+            manifest, chunks = saved
+            self.weights.install(WeightVersion(manifest["version"], manifest, chunks))
+        state = self.spool.load_state()
+        if state:
+            self.admission.restore(state["admission"])
+            self.counts.update(state["counts"])
+            self.batch_id = state["batch_id"]
+        restored = 0
+        for _key, frames in self.spool.load_segments():
+            msg = decode(frames, max_bytes=self.cfg.max_message_bytes)
+            seg = Segment.from_wire(msg.header, msg.tensors)
+            permit = self.admission.in_flight.get(seg.permit)
+            if permit is None:  # its episode finished before the last state flush
+                permit = Permit(seg.permit, seg.actor_id, seg.min_version, time.monotonic())
+                self.admission.in_flight[permit.id] = permit
+            self._accept(permit, seg)
+            restored += 1
+        self.admission.queued = len(self.complete)
+        for actor_id in {p.actor_id for p in self.admission.in_flight.values()}:
+            self.actors.setdefault(actor_id, time.monotonic())
+        log.info("broker state restored", segments=restored, episodes=len(self.complete),
+                 permits=len(self.admission.in_flight), version=self.weights.latest_version)

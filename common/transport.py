@@ -1,0 +1,194 @@
+"""ZeroMQ transport: the only module that touches sockets. The rest of the code sees Messages.
+
+One ROUTER on the broker; every actor and learner is a DEALER client that sends requests tagged
+with a ``req`` number and matches replies to them. Every socket gets ``linger=0`` (no hang on
+exit), ``ZMQ_MAXMSGSIZE`` (no unbounded allocation from the network) and, when configured, Curve
+encryption with an allow-list enforced by a ZAP authenticator.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.auth
+
+from common.config import SecurityConfig
+from common.protocol import Message, ProtocolError, decode, encode
+
+ZERO_COPY_BYTES = 64 << 10  # frames above this go out with copy=False
+
+
+class TransportError(RuntimeError):
+    """The peer did not answer in time or answered with an ERROR."""
+
+    def __init__(self, message: str, *, code: str = "timeout", retryable: bool = True):
+        super().__init__(message)
+        self.code = code
+        self.retryable = retryable
+
+
+def _public_key(path: str | None, what: str) -> bytes:
+    if not path or not Path(path).is_file():
+        raise FileNotFoundError(f"{what}: public key file {path!r} does not exist")
+    return zmq.auth.load_certificate(path)[0]
+
+
+def _keypair(path: str | None, what: str) -> tuple[bytes, bytes]:
+    if not path or not Path(path).is_file():
+        raise FileNotFoundError(f"{what}: secret key file {path!r} does not exist")
+    public, secret = zmq.auth.load_certificate(path)
+    if secret is None:
+        raise ValueError(f"{what}: {path!r} holds no secret key (use the .key_secret file)")
+    return public, secret
+
+
+def generate_keys(out_dir: str | Path, name: str) -> tuple[Path, Path]:
+    """A Curve key pair: NAME.key (public, share it) and NAME.key_secret (keep it)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(str(out), name)
+    return Path(public), Path(secret)
+
+
+class Endpoint:
+    """Owns the process's ZeroMQ context and the Curve authenticator, and makes configured sockets."""
+
+    def __init__(self, security: SecurityConfig, max_message_bytes: int):
+        self.ctx = zmq.Context.instance()
+        self.security = security
+        self.max_message_bytes = max_message_bytes
+        self._auth = None
+
+    def socket(self, kind: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.setsockopt(zmq.RCVHWM, 10000)
+        return sock
+
+    def server(self, bind: str) -> zmq.Socket:
+        """The broker's ROUTER, with Curve server keys and an allow-list when security.curve is on."""
+        sock = self.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises instead of vanishing
+        if self.security.curve:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            keys_dir = self.security.authorized_keys_dir
+            if not keys_dir or not Path(keys_dir).is_dir():
+                raise FileNotFoundError(f"security.authorized_keys_dir {keys_dir!r} is not a directory")
+            self._auth = ThreadAuthenticator(self.ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=str(keys_dir))
+            public, secret = _keypair(self.security.server_secret_key_file, "security.server_secret_key_file")
+            sock.curve_secretkey = secret
+            sock.curve_publickey = public
+            sock.curve_server = True
+        sock.bind(bind)
+        return sock
+
+    def client(self, connect: str) -> zmq.Socket:
+        sock = self.socket(zmq.DEALER)
+        if self.security.curve:
+            public, secret = _keypair(self.security.client_secret_key_file, "security.client_secret_key_file")
+            sock.curve_secretkey = secret
+            sock.curve_publickey = public
+            sock.curve_serverkey = _public_key(self.security.server_public_key_file, "security.server_public_key_file")
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # exponential backoff up to 5 s
+        sock.connect(connect)
+        return sock
+
+    def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+def send(sock: zmq.Socket, frames: list, envelope: list | None = None) -> None:
+    """Send frames; large buffers go zero-copy."""
+    frames = (envelope or []) + frames
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        nbytes = frame.nbytes if isinstance(frame, memoryview) else len(frame)
+        sock.send(frame, zmq.SNDMORE if i < last else 0, copy=nbytes < ZERO_COPY_BYTES)
+
+
+class Client:
+    """A DEALER that does request/reply with timeouts, and reopens its socket after a timeout.
+
+    Reopening (the "lazy pirate" pattern) discards replies to abandoned requests and gives the
+    broker a fresh identity, so a restarted broker sees a clean peer.
+    """
+
+    def __init__(self, endpoint: Endpoint, connect: str, client_id: str, *, timeout_s: float = 10.0):
+        self.endpoint = endpoint
+        self.connect = connect
+        self.client_id = client_id
+        self.timeout_s = timeout_s
+        self._req = 0
+        self.sock = endpoint.client(connect)
+
+    def reopen(self) -> None:
+        self.sock.close(linger=0)
+        self.sock = self.endpoint.client(self.connect)
+
+    def _send(self, kind: str, header: dict[str, Any] | None, tensors: dict[str, np.ndarray] | None) -> int:
+        self._req += 1
+        send(self.sock, encode(kind, {**(header or {}), "id": self.client_id, "req": self._req}, tensors))
+        return self._req
+
+    def _recv(self, kind: str, wanted: set[int], deadline: float) -> Message:
+        """The next reply whose req is in ``wanted``; replies to abandoned requests are skipped."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.sock.poll(max(1, int(remaining * 1000))):
+                if time.monotonic() < deadline:
+                    continue
+                self.reopen()
+                raise TransportError(f"{kind}: no reply from {self.connect} in time")
+            frames = self.sock.recv_multipart(copy=False)
+            try:
+                msg = decode(frames, max_bytes=self.endpoint.max_message_bytes)
+            except ProtocolError as exc:
+                raise TransportError(f"{kind}: bad reply from broker: {exc}", code="bad_reply") from None
+            if msg.req not in wanted:
+                continue
+            if msg.kind == "ERROR":
+                raise TransportError(f"{kind} rejected: {msg.header['code']} in field "
+                                     f"'{msg.header['field']}': {msg.header['message']}",
+                                     code=msg.header["code"], retryable=msg.header["retryable"])
+            return msg
+
+    def request(self, kind: str, header: dict[str, Any] | None = None,
+                tensors: dict[str, np.ndarray] | None = None, *, timeout_s: float | None = None) -> Message:
+        """Send one request and wait for its reply. ERROR replies raise TransportError."""
+        req = self._send(kind, header, tensors)
+        return self._recv(kind, {req}, time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
+
+    def pipeline(self, kind: str, headers: list[dict[str, Any]], *, window: int = 4,
+                 tensors: list[dict[str, np.ndarray] | None] | None = None) -> list[Message]:
+        """Many requests with up to ``window`` in flight (credit-based); replies in request order."""
+        replies: dict[int, Message] = {}
+        order: list[int] = []
+        in_flight: set[int] = set()
+        for i, header in enumerate(headers):
+            if len(in_flight) >= window:
+                msg = self._recv(kind, in_flight, time.monotonic() + self.timeout_s)
+                in_flight.discard(msg.req)
+                replies[msg.req] = msg
+            req = self._send(kind, header, tensors[i] if tensors else None)
+            order.append(req)
+            in_flight.add(req)
+        while in_flight:
+            msg = self._recv(kind, in_flight, time.monotonic() + self.timeout_s)
+            in_flight.discard(msg.req)
+            replies[msg.req] = msg
+        return [replies[r] for r in order]
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

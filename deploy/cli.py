@@ -1,0 +1,146 @@
+"""The ``asyncppo`` command. Parsing is fast: torch, DeepSpeed and transformers load only in the role
+that needs them, so ``asyncppo --help`` answers at once.
+
+    asyncppo broker  --config C.yaml [--set k=v ...] [--metrics-port N]
+    asyncppo learner --config C.yaml [--resume]        (under torchrun/deepspeed for data parallel)
+    asyncppo actor   --config C.yaml                   (join a running system from any host)
+    asyncppo up      --config C.yaml [--summary F]     (broker + learner + N actors on this machine)
+    asyncppo scale   --run-dir D N                     (change the actor count of a running `up`)
+    asyncppo keys generate --out DIR --name NAME       (CurveZMQ key pair)
+    asyncppo config  --config C.yaml [--reference]     (print the merged config / the reference table)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (defaults apply to everything it leaves out)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set learner.lr=1e-4 (repeatable)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve /metrics, /healthz and /readyz on this port (0: any free port)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncppo", description="Asynchronous actor-learner PPO for LM agents.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in [("broker", "run the ZeroMQ broker"), ("learner", "run the DeepSpeed learner"),
+                        ("actor", "run one rollout actor")]:
+        _common(sp := sub.add_parser(name, help=help_))
+        if name == "learner":
+            sp.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    _common(up := sub.add_parser("up", help="run broker, learner and actors as local processes"))
+    up.add_argument("--summary", help="write the JSON run summary here")
+    up.add_argument("--actors", type=int, default=None, help="number of actors (default: run.num_actors)")
+    sc = sub.add_parser("scale", help="set the number of actors of a running `asyncppo up`")
+    sc.add_argument("--run-dir", required=True, help="run.out_dir of the running `up`")
+    sc.add_argument("actors", type=int)
+    keys = sub.add_parser("keys", help="CurveZMQ keys")
+    keys.add_argument("action", choices=["generate"])
+    keys.add_argument("--out", required=True, help="directory for NAME.key and NAME.key_secret")
+    keys.add_argument("--name", required=True)
+    _common(cf := sub.add_parser("config", help="print the merged configuration"))
+    cf.add_argument("--reference", action="store_true", help="print the reference of every key (markdown)")
+    return parser
+
+
+def _serve_role(role: str, args: argparse.Namespace, cfg: Any, **log_ctx: Any) -> tuple[Any, Any]:
+    """Logging and the metrics/health server, common to every role."""
+    from common.log import setup_logging
+    from common.metrics import Health, serve_metrics
+
+    log = setup_logging(role, fmt=cfg.run.log_format, level=cfg.run.log_level, **log_ctx)
+    health = Health()
+    if args.metrics_port is not None:
+        server = serve_metrics(cfg.run.metrics_host, args.metrics_port, health, role)
+        log.info("metrics serving", url=f"http://{cfg.run.metrics_host}:{server.server_address[1]}/metrics")
+    return log, health
+
+
+def _stop_flag() -> Any:
+    """SIGTERM/SIGINT set a flag the role's loop checks: it finishes what it does, then exits."""
+    stopped = {"flag": False}
+
+    def handler(signum: int, frame: Any) -> None:
+        stopped["flag"] = True
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return lambda: stopped["flag"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from common.config import ConfigError, load_config, reference_markdown, to_dict
+
+    if args.command == "keys":
+        from common.transport import generate_keys
+
+        public, secret = generate_keys(args.out, args.name)
+        print(f"public key: {public}\nsecret key: {secret}")
+        return 0
+    if args.command == "scale":
+        target = Path(args.run_dir) / "actors.target"
+        if not target.parent.is_dir():
+            print(f"asyncppo scale: run directory {args.run_dir!r} does not exist", file=sys.stderr)
+            return 2
+        target.write_text(f"{args.actors}\n")
+        print(f"asked {args.run_dir} for {args.actors} actors")
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"asyncppo {args.command}: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        import yaml
+
+        print(reference_markdown() if args.reference else yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return 0
+    Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
+    if args.command == "up":
+        from deploy.launcher import launch
+
+        return launch(cfg, args)
+    if args.command == "broker":
+        from broker.server import Broker
+
+        _, health = _serve_role("broker", args, cfg)
+        Broker(cfg, health).run(_stop_flag())
+        return 0
+    from common.model import ensure_model
+
+    try:
+        ensure_model(cfg.model.path, builtin=cfg.model.builtin)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"asyncppo {args.command}: model.path: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "actor":
+        from actors.actor import Actor, actor_id
+
+        _, health = _serve_role("actor", args, cfg, actor_id=actor_id(cfg))
+        Actor(cfg, health).run(_stop_flag())
+        return 0
+    from learner.trainer import Learner
+
+    rank = int(os.environ.get("RANK", "0"))
+    if args.metrics_port:  # one port per rank under torchrun
+        args.metrics_port += rank
+    _, health = _serve_role("learner", args, cfg, rank=rank)
+    learner = Learner(cfg, resume=args.resume, health=health)
+    try:
+        learner.run()
+    finally:
+        learner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

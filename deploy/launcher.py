@@ -1,0 +1,214 @@
+"""``asyncppo up``: broker, learner and N actors as separate OS processes on this machine.
+
+The launcher only starts, watches and stops processes; it learns how training goes the way an
+operator would, from the broker's STATS and the learner's step log. The actor count follows
+``<run dir>/actors.target`` (written by ``asyncppo scale``) and SIGUSR1/SIGUSR2 (+1/-1), live.
+Shutdown order: learner first (it checkpoints), then actors (they say BYE), then the broker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common.config import Config
+from common.transport import Client, Endpoint, TransportError
+
+STOP_TIMEOUT_S = 30.0
+
+
+class Launcher:
+    def __init__(self, cfg: Config, args: argparse.Namespace):
+        self.cfg, self.args = cfg, args
+        self.run_dir = Path(cfg.run.out_dir)
+        self.logs = self.run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.base_cmd = [sys.executable, "-m", "deploy.cli"]
+        self.role_args = (["--config", args.config] if args.config else []) + [
+            a for o in args.overrides for a in ("--set", o)]
+        self.actors: dict[str, subprocess.Popen] = {}
+        self.retired: list[str] = []
+        self.next_actor = 0
+        self.target = args.actors if args.actors is not None else cfg.run.num_actors
+        (self.run_dir / "actors.target").write_text(f"{self.target}\n")
+        self.stopping = False
+
+    def _spawn(self, role: str, name: str, extra: list[str]) -> subprocess.Popen:
+        port = self._port(role)
+        cmd = self.base_cmd + [role, *self.role_args, *extra] + (["--metrics-port", str(port)] if port else [])
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "ASYNCPPO_ACTOR_ID": name}
+        with open(self.logs / f"{name}.log", "ab") as out:
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def _port(self, role: str) -> int | None:
+        base = self.cfg.run.metrics_base_port
+        if not base:
+            return None
+        return {"broker": base, "learner": base + 1}.get(role, base + 10 + self.next_actor)
+
+    def start(self) -> None:
+        from common.model import ensure_model
+
+        ensure_model(self.cfg.model.path, builtin=self.cfg.model.builtin)  # once, before the roles race for it
+        self.broker = self._spawn("broker", "broker", [])
+        self.learner = self._spawn("learner", "learner", [])
+        self.scale_to(self.target)
+        self.stats_client = Client(Endpoint(self.cfg.security, self.cfg.broker.max_message_bytes),
+                                   self.cfg.learner.broker, f"launcher-{os.getpid()}", timeout_s=2.0)
+
+    def scale_to(self, n: int) -> None:
+        """Start or stop actors until n run; stopping sends SIGTERM (the actor says BYE)."""
+        while len(self.actors) < n:
+            name = f"actor-{self.next_actor}"
+            self.actors[name] = self._spawn("actor", name, [])
+            self.next_actor += 1
+            print(f"[up] started {name} (actors: {len(self.actors)})", flush=True)
+        while len(self.actors) > n:
+            name = sorted(self.actors, key=lambda a: int(a.split("-")[1]))[-1]
+            stop(self.actors.pop(name))
+            self.retired.append(name)
+            print(f"[up] stopped {name} (actors: {len(self.actors)})", flush=True)
+
+    def broker_stats(self) -> dict[str, Any]:
+        try:
+            return self.stats_client.request("STATS").header["stats"]
+        except TransportError:
+            return {}
+
+    def steps(self) -> list[dict]:
+        path = self.run_dir / "learner_steps.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def progress(self, t0: float) -> None:
+        steps, stats = self.steps(), self.broker_stats()
+        if not steps:
+            print(f"[up] {time.monotonic() - t0:6.1f}s waiting for the first step | version "
+                  f"{stats.get('policy_version', '?')} | actors {stats.get('actors', '?')} | "
+                  f"queued {stats.get('queued_episodes', '?')}", flush=True)
+            return
+        s = steps[-1]
+        total = self.cfg.learner.total_steps or "∞"
+        print(f"[up] {time.monotonic() - t0:6.1f}s step {s['step'] + 1}/{total} | version {s['version']} | "
+              f"reward {s['reward_mean']:.3f} | {s['tokens_per_second']:.0f} tok/s | staleness max "
+              f"{s['max_staleness']} | kept {s['icepop_kept_fraction']:.3f} | actors {stats.get('actors', '?')} | "
+              f"queued {stats.get('queued_episodes', '?')}", flush=True)
+
+    def watch(self) -> int:
+        """Until the learner exits, a deadline passes or we are told to stop."""
+        t0 = time.monotonic()
+        last_print = 0.0
+        while not self.stopping:
+            if self.learner.poll() is not None:
+                break
+            if self.broker.poll() is not None:
+                print("[up] broker exited unexpectedly", file=sys.stderr, flush=True)
+                return 1
+            for name, proc in list(self.actors.items()):
+                if proc.poll() is not None:  # an actor died: replace it, as a Deployment would
+                    print(f"[up] {name} exited with {proc.returncode}; replacing it", flush=True)
+                    del self.actors[name]
+            target = read_target(self.run_dir / "actors.target", self.target)
+            if target != self.target or len(self.actors) != target:
+                self.target = target
+                self.scale_to(target)
+            if self.cfg.run.max_wall_s and time.monotonic() - t0 > self.cfg.run.max_wall_s:
+                print("[up] run.max_wall_s reached", flush=True)
+                break
+            if time.monotonic() - last_print > 5:
+                self.progress(t0)
+                last_print = time.monotonic()
+            time.sleep(0.2)
+        self.progress(t0)
+        return 0 if self.learner.poll() in (0, None) else 1
+
+    def shutdown(self) -> dict[str, Any]:
+        stop(self.learner)
+        stats = self.broker_stats()
+        for proc in self.actors.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc in self.actors.values():
+            stop(proc)
+        final = self.broker_stats() or stats
+        self.stats_client.close()
+        stop(self.broker)
+        return final
+
+    def summary(self, stats: dict[str, Any], wall: float) -> dict[str, Any]:
+        steps = self.steps()
+        rewards = [r for s in steps for r in s["episode_rewards"]]
+        k = max(1, len(rewards) // 5)
+        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+        return {
+            "learner_steps": len(steps),
+            "policy_version": stats.get("policy_version", steps[-1]["version"] + 1 if steps else 0),
+            "trajectories_trained": sum(s["segments"] for s in steps),
+            "episodes_trained": sum(s["episodes"] for s in steps),
+            "tokens_trained": sum(s["tokens"] for s in steps),
+            "reward_first": mean(rewards[:k]),
+            "reward_last": mean(rewards[-k:]),
+            "actors": len(stats.get("actor_versions", {})),
+            "actor_versions": stats.get("actor_versions", {}),
+            "max_staleness_seen": max((s["max_staleness"] for s in steps), default=0),
+            "max_staleness_allowed": self.cfg.broker.max_staleness,
+            "dropped_stale": stats.get("dropped_stale", 0),
+            "rejected_invalid": stats.get("rejected_invalid", 0),
+            "icepop_kept_fraction_mean": mean([s["icepop_kept_fraction"] for s in steps]),
+            "wall_seconds": round(wall, 2),
+        }
+
+
+def read_target(path: Path, default: int) -> int:
+    try:
+        return max(0, int(path.read_text().strip()))
+    except (OSError, ValueError):
+        return default
+
+
+def stop(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM, wait, then SIGKILL: a role that hangs on exit never hangs the launcher."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def launch(cfg: Config, args: argparse.Namespace) -> int:
+    launcher = Launcher(cfg, args)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if signum == signal.SIGUSR1:
+            launcher.target += 1
+        elif signum == signal.SIGUSR2:
+            launcher.target = max(0, launcher.target - 1)
+        else:
+            launcher.stopping = True
+            return
+        (launcher.run_dir / "actors.target").write_text(f"{launcher.target}\n")
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, on_signal)
+    t0 = time.monotonic()
+    print(f"[up] run dir {launcher.run_dir} (logs in {launcher.logs})", flush=True)
+    launcher.start()
+    try:
+        code = launcher.watch()
+    finally:
+        stats = launcher.shutdown()
+    summary = launcher.summary(stats, time.monotonic() - t0)
+    print("[up] summary " + json.dumps(summary), flush=True)
+    if args.summary:
+        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n")
+    return code

@@ -1,0 +1,78 @@
+"""The trainable models: the policy (a causal LM) and the critic (a scalar value per position).
+
+Position convention used everywhere in the learner: output index t is the state after reading
+tokens[0..t]. So token t's log-prob comes from logits[t-1], and the value of the state in which
+token t is chosen is value_out[t-1]. ``shift_to_tokens`` applies that shift once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM
+
+
+class ValueHead(nn.Module):
+    """A zero-initialised scalar head: the critic starts predicting 0 for every state."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.proj(hidden).squeeze(-1).float()
+
+
+class Critic(nn.Module):
+    """``critic: separate``: its own transformer trunk (initialised from the policy checkpoint) + head."""
+
+    def __init__(self, path: str, dtype: torch.dtype):
+        super().__init__()
+        self.trunk = AutoModel.from_pretrained(path, local_files_only=True, dtype=dtype)
+        self.head = ValueHead(self.trunk.config.hidden_size).to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden)
+
+
+class PolicyWithValue(nn.Module):
+    """``critic: shared``: a value head on the policy's last hidden state (lighter, one model)."""
+
+    def __init__(self, path: str, dtype: torch.dtype):
+        super().__init__()
+        self.policy = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        self.head = ValueHead(self.policy.config.hidden_size).to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.policy(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        return out.logits, self.head(out.hidden_states[-1])
+
+
+class Policy(nn.Module):
+    """``critic: separate`` or GRPO: the causal LM alone, returning logits."""
+
+    def __init__(self, path: str, dtype: torch.dtype):
+        super().__init__()
+        self.policy = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.policy(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log pi(token_t | tokens_<t) for every position t >= 1, aligned to tokens; position 0 gets 0.
+
+    The logits are divided by the actors' sampling temperature so the learner scores tokens under
+    the same distribution family the engine sampled from.
+    """
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0))
+
+
+def shift_to_tokens(values: torch.Tensor) -> torch.Tensor:
+    """value_out[t-1] -> V[t]: the value of the state in which token t is chosen (V[0] = 0)."""
+    return torch.nn.functional.pad(values[:, :-1], (1, 0))

@@ -1,0 +1,250 @@
+"""Engine contract: every engine's tokens and log-probs must agree with a plain forward pass.
+
+The suite runs once per engine. The sglang runs need a CUDA GPU and sglang installed; they use
+a wider tiny model (head_dim 64, which GPU attention kernels support) and deterministic
+inference so that seeds are honoured.
+"""
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from actors.engine import Engine, Generation, SamplingParams, make_engine
+from common.model import (
+    build_tiny_model,
+    load_causal_lm,
+    load_exported_state_dict,
+    load_tokenizer,
+    state_dict_for_export,
+)
+
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+ENGINE_OPTIONS = {
+    "torch": {},
+    "sglang": {"dtype": "float32", "enable_deterministic_inference": True, "mem_fraction_static": 0.3},
+}
+MODEL_SIZES = {"torch": {"hidden_size": 64, "num_heads": 4}, "sglang": {"hidden_size": 256, "num_heads": 4}}
+ATOL = {"torch": 1e-4, "sglang": 2e-3}  # sglang's GPU kernels differ from the HF reference
+POLL_EVERY = 8
+PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48], [100, 101, 102, 103, 104]]
+
+needs_gpu = pytest.mark.skipif(
+    not (HAS_SGLANG and torch.cuda.is_available()), reason="needs sglang and a CUDA GPU"
+)
+
+
+@pytest.fixture(
+    scope="module", params=["torch", pytest.param("sglang", marks=[pytest.mark.gpu, needs_gpu])]
+)
+def engine_name(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model_path(engine_name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp(engine_name) / "tiny", **MODEL_SIZES[engine_name])
+
+
+@pytest.fixture(scope="module")
+def engine(engine_name: str, model_path: Path) -> Iterator[Engine]:
+    torch.set_num_threads(1)
+    engine = make_engine(engine_name, str(model_path), poll_every=POLL_EVERY, **ENGINE_OPTIONS[engine_name])
+    yield engine
+    if hasattr(engine, "close"):
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model_path: Path) -> torch.nn.Module:
+    return load_causal_lm(model_path).eval()
+
+
+def perturbed(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Exported weights of `model` plus noise large enough to change every distribution."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
+        for name, tensor in state_dict_for_export(model).items()
+    }
+
+
+def reference_logprobs(
+    model: torch.nn.Module, prompt: list[int], tokens: list[int], temperature: float, top_p: float
+) -> np.ndarray:
+    """log q(token) from one unpadded forward over prompt + tokens, nucleus built in numpy."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].double()
+    scores = logits[len(prompt) - 1 : -1].numpy() / temperature
+    result = []
+    for row, token in zip(scores, tokens):
+        probs = np.exp(row - row.max())
+        probs /= probs.sum()
+        order = np.argsort(-probs, kind="stable")
+        before = np.cumsum(probs[order]) - probs[order]
+        nucleus = order[before < top_p]
+        if token not in nucleus:
+            result.append(-np.inf)
+            continue
+        result.append(np.log(probs[token]) - np.log(probs[nucleus].sum()))
+    return np.array(result)
+
+
+def assert_matches_forward(
+    generations: list[Generation], model: torch.nn.Module, params: SamplingParams, atol: float
+) -> None:
+    for prompt, gen in zip(PROMPTS, generations):
+        expected = reference_logprobs(model, prompt, gen.token_ids, params.temperature, params.top_p)
+        np.testing.assert_allclose(gen.logprobs, expected, atol=atol)
+
+
+def test_logprobs_equal_a_full_forward(engine: Engine, engine_name: str, reference: torch.nn.Module) -> None:
+    params = SamplingParams(max_new_tokens=12, seed=3)
+    generations = engine.generate(PROMPTS, params)
+    assert_matches_forward(generations, reference, params, ATOL[engine_name])
+    for gen in generations:
+        assert len(gen.token_ids) == len(gen.logprobs) == len(gen.versions) == 12
+        assert gen.versions == [engine.version] * 12
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_logprobs_follow_temperature_and_top_p(
+    engine: Engine, engine_name: str, reference: torch.nn.Module, top_p: float
+) -> None:
+    """An engine reports the truncated distribution's log-probs, or refuses to sample from it."""
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, top_p=top_p, seed=4)
+    if engine_name == "sglang" and top_p < 1:
+        with pytest.raises(ValueError, match="top_p"):
+            engine.generate(PROMPTS, params)
+        return
+    generations = engine.generate(PROMPTS, params)
+    assert_matches_forward(generations, reference, params, ATOL[engine_name])
+
+
+def test_batch_matches_one_by_one(engine: Engine, engine_name: str) -> None:
+    """Row i of a batch samples with seed + i, so batch composition does not change a row."""
+    batched = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, seed=11))
+    for row, prompt in enumerate(PROMPTS):
+        alone = engine.generate([prompt], SamplingParams(max_new_tokens=10, seed=11 + row))[0]
+        assert alone.token_ids == batched[row].token_ids
+        np.testing.assert_allclose(alone.logprobs, batched[row].logprobs, atol=ATOL[engine_name] / 10)
+
+
+def test_seed_makes_generation_repeatable(engine: Engine) -> None:
+    params = SamplingParams(max_new_tokens=16, seed=5)
+    first, again = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
+    other = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, seed=6))
+    assert [g.token_ids for g in first] == [g.token_ids for g in again]
+    assert [g.token_ids for g in first] != [g.token_ids for g in other]
+
+
+def test_max_new_tokens_gives_length_finish(engine: Engine) -> None:
+    for gen in engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, seed=1)):
+        assert len(gen.token_ids) == 5 and gen.finish_reason == "length"
+
+
+def test_stop_token_ends_generation_inclusively(engine: Engine) -> None:
+    free = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=20, seed=8))[0].token_ids
+    cut = next(i for i, token in enumerate(free) if i >= 3 and token not in free[:i])
+    stopped = engine.generate(
+        PROMPTS[:1], SamplingParams(max_new_tokens=20, seed=8, stop_token_ids=[free[cut]])
+    )[0]
+    assert stopped.token_ids == free[: cut + 1]
+    assert stopped.finish_reason == "stop"
+
+
+def test_stop_string_ends_generation_at_the_completing_token(engine: Engine, model_path: Path) -> None:
+    tokenizer = load_tokenizer(model_path)
+    free = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=20, seed=9))[0].token_ids
+    stop = tokenizer.decode(free[5:7], skip_special_tokens=False)
+    assert stop
+    completing = next(
+        i for i in range(len(free)) if stop in tokenizer.decode(free[: i + 1], skip_special_tokens=False)
+    )
+    stopped = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=20, seed=9, stop=[stop]))[0]
+    assert stopped.token_ids == free[: completing + 1]
+    assert stopped.finish_reason == "stop"
+
+
+def test_load_weights_switches_the_sampling_model(
+    engine: Engine, engine_name: str, model_path: Path, reference: torch.nn.Module
+) -> None:
+    new_model = load_causal_lm(model_path)
+    load_exported_state_dict(new_model, perturbed(reference, seed=0))
+    try:
+        engine.load_weights(3, state_dict_for_export(new_model))
+        assert engine.version == 3
+        params = SamplingParams(max_new_tokens=8, seed=2)
+        generations = engine.generate(PROMPTS, params)
+        assert all(gen.versions == [3] * 8 for gen in generations)
+        assert_matches_forward(generations, new_model.eval(), params, ATOL[engine_name])
+    finally:
+        engine.load_weights(0, state_dict_for_export(reference))
+
+
+def test_mid_generation_swap_tags_tokens_with_both_versions(
+    engine: Engine, reference: torch.nn.Module
+) -> None:
+    """The swap lands after POLL_EVERY tokens; later tokens carry version 1 and come from new weights.
+
+    TorchEngine keeps the KV cache of the old weights, so post-swap log-probs match no single
+    model's full forward; they must be finite and differ from the old weights' values.
+    """
+    calls = []
+
+    def poll_weights() -> None:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            engine.load_weights(1, perturbed(reference, seed=1))
+
+    params = SamplingParams(max_new_tokens=20, seed=7)
+    try:
+        generations = engine.generate(PROMPTS, params, poll_weights=poll_weights)
+    finally:
+        engine.load_weights(0, state_dict_for_export(reference))
+    assert len(calls) == 2  # after tokens 8 and 16
+    for prompt, gen in zip(PROMPTS, generations):
+        assert gen.versions == [0] * POLL_EVERY + [1] * (20 - POLL_EVERY)
+        assert np.isfinite(gen.logprobs).all()
+        old = reference_logprobs(reference, prompt, gen.token_ids, 1.0, 1.0)
+        np.testing.assert_allclose(gen.logprobs[:POLL_EVERY], old[:POLL_EVERY], atol=1e-3)
+        assert np.abs(np.array(gen.logprobs[POLL_EVERY:]) - old[POLL_EVERY:]).min() > 1e-3
+
+
+def test_bad_requests_are_refused(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="non-empty list"):
+        engine.generate([], SamplingParams())
+    with pytest.raises(ValueError, match=r"prompts\[1\] must be a non-empty"):
+        engine.generate([[1, 2], []], SamplingParams())
+    with pytest.raises(ValueError, match=r"prompts\[0\] has token ids outside"):
+        engine.generate([[1, 10**6]], SamplingParams())
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_new_tokens", 0), ("temperature", 0.0), ("temperature", float("nan")), ("top_p", 1.5),
+     ("stop", [""]), ("stop_token_ids", [-1])],
+)
+def test_sampling_params_are_validated(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**{field: value})
+
+
+def test_torch_engine_refuses_prompts_past_the_context(tmp_path: Path) -> None:
+    engine = make_engine("torch", str(build_tiny_model(tmp_path / "tiny")))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.generate([[5] * 1000], SamplingParams(max_new_tokens=30))
+
+
+def test_unknown_engine_lists_the_known_ones(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'vllm' is unknown; choose one of \\('torch', 'sglang'\\)"):
+        make_engine("vllm", str(tmp_path))
+
+
+@pytest.mark.skipif(HAS_SGLANG, reason="sglang is installed")
+def test_sglang_engine_without_sglang_says_how_to_install(tmp_path: Path) -> None:
+    with pytest.raises(ImportError, match=r"pip install 'asyncppo\[sglang\]' on a CUDA machine"):
+        make_engine("sglang", str(tmp_path))
