@@ -7,11 +7,13 @@ generation), and a broker restart is survived by reconnecting and saying HELLO a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 from prometheus_client import Counter, Gauge, Histogram
@@ -207,9 +209,7 @@ class Actor:
             self.close()
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(TransportError):  # a gone broker reclaims our permits by heartbeat timeout
             self.client.request("BYE", timeout_s=1.0)
-        except TransportError:
-            pass  # the broker is gone; it will reclaim our permits by heartbeat timeout
         self.client.close()
         log.info("actor stopped", actor_id=self.id, episodes=self.episodes_started)

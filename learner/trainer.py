@@ -23,8 +23,9 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -41,7 +42,14 @@ from common.trajectory import Segment
 from common.transport import Client, Endpoint, TransportError
 from common.weights import pack_state_dict
 from learner import data
-from learner.losses import clip_schedule, icepop, kl_penalty, ppo_policy_loss, truncated_is, value_loss
+from learner.losses import (
+    clip_schedule,
+    icepop,
+    kl_penalty,
+    ppo_policy_loss,
+    truncated_is,
+    value_loss,
+)
 from learner.models import Critic, Policy, PolicyWithValue, shift_to_tokens, token_logprobs
 
 log = structlog.get_logger()
@@ -269,10 +277,7 @@ class Learner:
 
     def _end_values(self, ids: torch.Tensor, attn: torch.Tensor, lens: list[int]) -> list[float]:
         """The critic's value after each segment's last token (bootstrap at a cut with no next segment)."""
-        if self.shared:
-            raw = self.policy(ids, attn)[1]
-        else:
-            raw = self.critic(ids, attn)
+        raw = self.policy(ids, attn)[1] if self.shared else self.critic(ids, attn)
         return [float(raw[j, n - 1]) for j, n in enumerate(lens)]
 
     @staticmethod

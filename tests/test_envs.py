@@ -81,8 +81,12 @@ def _play(name: str, seed: int) -> list:
 @pytest.mark.parametrize("name", ENV_NAMES)
 def test_episodes_are_deterministic_given_the_seed(name):
     assert _play(name, 11) == _play(name, 11)
-    prompts = {make_env(name).reset(seed) for seed in range(20)}
-    assert len(prompts) >= 10  # seeds really vary the instance
+    env = make_env(name)
+    states = set()
+    for seed in range(20):
+        env.reset(seed)
+        states.add(env.compact())  # the state summary shows what the seed chose
+    assert len(states) >= 10
 
 
 # ---------------------------------------------------------------- digits
@@ -341,13 +345,13 @@ def test_tooluse_scripted_correct_episode_earns_one():
 def test_tooluse_every_rule_is_intercepted_and_counted():
     env = make_env("tooluse", max_turns=50)
     env.reset(3)
+    expected = dict.fromkeys(RULE_NAMES, 0)
     for turn, (action, rule) in enumerate(HACKS, start=1):
         result = env.step(action)
+        expected[rule] += 1
         assert result.observation.startswith("error:") and not result.terminated
         assert result.info["hacks_intercepted"] == turn and result.info["turns"] == turn
-    assert {r: result.info[f"hack_{r}"] for r in RULE_NAMES} == {
-        rule: sum(r == rule for _, r in HACKS) for rule in RULE_NAMES
-    }
+        assert {r: result.info[f"hack_{r}"] for r in RULE_NAMES} == expected
     assert result.info["hack_judge"] == 0
     for action in LEGITIMATE[:3]:
         assert env.step(action).info["hacks_intercepted"] == len(HACKS)

@@ -1,0 +1,41 @@
+# Every target sets itself up: a fresh clone needs only `make demo` or `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+
+.PHONY: install demo test test-slow test-gpu lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch (pinned); on a CUDA machine pip takes the CUDA build of the same release.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m deploy.cli up --config configs/demo.yaml --summary runs/demo/summary.json
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow and not gpu" -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m "slow and not gpu" -q
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m gpu -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: $(STAMP)
+	$(PY) bench/broker.py
+	$(PY) bench/learner.py
+	$(PY) bench/engine.py
+
+clean:
+	rm -rf runs .pytest_cache

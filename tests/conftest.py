@@ -1,0 +1,58 @@
+"""Shared fixtures: free ports, a tiny model built once per session, process cleanup."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The built-in tiny model, built once through the same path `model.builtin: tiny` takes."""
+    from common.model import ensure_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    ensure_model(path, builtin="tiny")
+    return path
+
+
+class Procs:
+    """Real processes started by a test; whatever is left is killed (whole session) at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], log: Path, **kw) -> subprocess.Popen:
+        out = open(log, "ab")  # noqa: SIM115 (owned by the process)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
+        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                                cwd=ROOT, env=env, start_new_session=True, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+@pytest.fixture
+def procs():
+    p = Procs()
+    yield p
+    p.close()
