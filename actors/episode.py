@@ -35,8 +35,9 @@ class ChatFormat:
         user = [{"role": "user", "content": "x"}]
         one = self._render(user + [{"role": "assistant", "content": MARK}])
         self.end_of_turn = one[one.index(MARK) + len(MARK):]
-        self.stop_token_ids = [i for i in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
-                               if isinstance(i, int) and i != tokenizer.unk_token_id]
+        candidates = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]  # end of turn first
+        self.stop_token_ids = list(dict.fromkeys(
+            i for i in candidates if isinstance(i, int) and i != tokenizer.unk_token_id))
 
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)

@@ -47,7 +47,9 @@ M_FANOUT = Histogram("asyncppo_broker_weight_fanout_seconds", "Commit of a versi
 
 ACTOR_KINDS = {"PERMITS_REQ", "TRAJ", "BYE"}
 LEARNER_KINDS = {"GET_BATCH", "PUBLISH_BEGIN", "PUBLISH_CHUNK", "PUBLISH_COMMIT"}
-SEEN_IDS = 1_000_000  # traj_ids remembered for duplicate detection
+SEEN_IDS = 1_000_000
+STAT_COUNTS = ("received", "accepted", "rejected_invalid", "dropped_stale", "dropped_incomplete_episode",
+               "handed_out", "episodes_handed_out", "permits_reclaimed")  # always present in STATS  # traj_ids remembered for duplicate detection
 
 
 def _nbytes(frames: list) -> int:
@@ -73,7 +75,7 @@ class Broker:
         self.pending_batch: tuple[list, Message, float] | None = None
         self.batch_id = 0
         self.commit_time: dict[int, float] = {}
-        self.counts: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter(dict.fromkeys(STAT_COUNTS, 0))
         self.spool = Spool(self.cfg.spool_dir) if self.cfg.spool_dir else None
         self._dirty = False
         if self.spool:

@@ -1,0 +1,99 @@
+"""Roles started by hand as in the README (separate processes, explicit endpoints), a late-joining
+actor, and actors added and removed while training runs."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import ROOT, free_port
+
+from common.config import load_config
+from common.transport import Client, Endpoint, TransportError
+
+
+def stats(endpoint: str) -> dict:
+    client = Client(Endpoint(load_config().security, 1 << 20), endpoint, "test-stats", timeout_s=2.0)
+    try:
+        return client.request("STATS").header["stats"]
+    except TransportError:
+        return {}
+    finally:
+        client.close()
+
+
+def wait_for(cond, timeout: float, what: str, procs=()) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        for p in procs:
+            assert p.poll() is None, f"a role exited early while waiting for {what}"
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def steps_of(run_dir) -> list[dict]:
+    path = run_dir / "learner_steps.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_roles_by_hand_with_a_late_joiner(tmp_path, tiny_model, procs):
+    port, endpoint = free_port(), None
+    endpoint = f"tcp://127.0.0.1:{port}"
+    common = ["--config", "configs/smoke.yaml", "--set", f"model.path={tiny_model}",
+              "--set", f"run.out_dir={tmp_path}", "--set", "learner.total_steps=0"]
+    broker = procs.start(["broker", *common, "--set", f"broker.bind={endpoint}", "--metrics-port", "0"],
+                         tmp_path / "broker.log")
+    learner = procs.start(["learner", *common, "--set", f"learner.broker={endpoint}"], tmp_path / "learner.log")
+    actor = procs.start(["actor", *common, "--set", f"actor.broker={endpoint}", "--set", "actor.id=first"],
+                        tmp_path / "a1.log")
+    wait_for(lambda: len(steps_of(tmp_path)) >= 2, 180, "two learner steps", [broker, learner, actor])
+    version_now = stats(endpoint)["policy_version"]
+    late = procs.start(["actor", *common, "--set", f"actor.broker={endpoint}", "--set", "actor.id=late"],
+                       tmp_path / "a2.log")
+    wait_for(lambda: stats(endpoint).get("actor_versions", {}).get("late", -1) >= version_now, 120,
+             "the late joiner to load the newest version", [broker, late])
+    wait_for(lambda: "late" in {a for s in steps_of(tmp_path) for a in s["actors"]}, 120,
+             "the late joiner's episodes to be trained on", [broker, learner, actor, late])
+    learner.send_signal(signal.SIGTERM)
+    assert learner.wait(timeout=60) == 0, (tmp_path / "learner.log").read_text()[-2000:]
+    final = stats(endpoint)
+    assert final["policy_version"] == len(steps_of(tmp_path)) and final["rejected_invalid"] == 0
+    assert {"first", "late"} <= set(final["actor_versions"])
+    for p in (actor, late, broker):
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+
+
+def test_actors_scale_up_and_down_while_training(tmp_path, tiny_model, procs):
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    run_dir = tmp_path / "run"
+    up = procs.start(["up", "--config", "configs/smoke.yaml", "--set", f"model.path={tiny_model}",
+                      "--set", f"run.out_dir={run_dir}", "--set", "learner.total_steps=0", "--set", "run.num_actors=1",
+                      "--set", f"broker.bind={endpoint}", "--set", f"actor.broker={endpoint}",
+                      "--set", f"learner.broker={endpoint}"], tmp_path / "up.log")
+    wait_for(lambda: len(steps_of(run_dir)) >= 1, 180, "the first step", [up])
+
+    def scale(n: int) -> None:
+        subprocess.run([sys.executable, "-m", "deploy.cli", "scale", "--run-dir", str(run_dir), str(n)],
+                       cwd=ROOT, check=True, capture_output=True)
+
+    scale(3)
+    wait_for(lambda: stats(endpoint).get("actors") == 3, 120, "3 connected actors", [up])
+    n = len(steps_of(run_dir))
+    wait_for(lambda: len(steps_of(run_dir)) >= n + 2, 120, "training to go on with 3 actors", [up])
+    scale(1)
+    wait_for(lambda: stats(endpoint).get("actors") == 1, 60, "actors to leave", [up])
+    n = len(steps_of(run_dir))
+    wait_for(lambda: len(steps_of(run_dir)) >= n + 2, 120, "training to go on with 1 actor", [up])
+    up.send_signal(signal.SIGUSR1)  # +1 by signal
+    wait_for(lambda: stats(endpoint).get("actors") == 2, 120, "the signalled actor", [up])
+    up.send_signal(signal.SIGINT)
+    assert up.wait(timeout=90) == 0
+    versions = [s["version"] for s in steps_of(run_dir)]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)
+    assert len({a for s in steps_of(run_dir) for a in s["actors"]}) >= 3
