@@ -280,15 +280,23 @@ def test_mounts_and_secret_items_resolve() -> None:
                 assert items <= config_keys, f"{name}: unknown ConfigMap keys {items - config_keys}"
 
 
+def test_configmap_loads_as_a_cluster_config(tmp_path: Path) -> None:
+    """The ConfigMap passes the real config loader (unknown keys and bad values fail there)."""
+    from common.config import load_config
+
+    path = tmp_path / "config.yaml"
+    path.write_text(find("ConfigMap", "asyncppo-config")["data"]["config.yaml"])
+    config = load_config(path)
+    assert config.run.metrics_host == "0.0.0.0", "probes and scrapes come from outside the pod"
+    assert config.model.builtin is None, "a cluster run must not build the tiny test model"
+    assert config.actor.engine == "sglang"
+
+
 def test_config_paths_are_provided_to_the_roles_that_read_them() -> None:
     """Each role finds its key files, allow-list, spool and checkpoint directory on a volume."""
     config = run_config()
     security = config["security"]
     assert security["curve"] is True
-    assert config["run"]["metrics_host"] == "0.0.0.0", (
-        "probes and scrapes come from outside the pod"
-    )
-    assert config["model"]["builtin"] is None, "a cluster run must not build the tiny test model"
     needs = {
         "broker": [security["server_secret_key_file"]],
         "learner": [security["client_secret_key_file"], security["server_public_key_file"]],
