@@ -38,7 +38,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+            raise ValueError(
+                f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}"
+            )
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(
                 f"SamplingParams.temperature must be finite and > 0 (greedy has no log-probs), "
@@ -49,7 +51,9 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}"
+            )
 
 
 @dataclass
@@ -201,17 +205,18 @@ class TorchEngine:
             cache, forward_version = out.cache, self.version
             logp = sampling_logprobs(out.logits[:, -1], params.temperature, params.top_p)
             tokens = sample(logp, generators)
+            token_ids = tokens.tolist()
             token_logprobs = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
             for row in active:
                 gen = outputs[row]
-                gen.token_ids.append(int(tokens[row]))
+                gen.token_ids.append(token_ids[row])
                 gen.logprobs.append(token_logprobs[row])
                 gen.versions.append(forward_version)
                 if completes_stop(self.tokenizer, gen.token_ids, params):
                     gen.finish_reason = "stop"
             # finished rows stay in the batch (the cache is shared) but are no longer extended
             active = [row for row in active if outputs[row].finish_reason != "stop"]
-            if not active:
+            if not active or step + 1 == params.max_new_tokens:
                 break
             if poll_weights is not None and (step + 1) % self.poll_every == 0:
                 poll_weights()

@@ -32,7 +32,12 @@ class SGLangEngine:
     """Batched generation and in-place weight updates on an in-process sglang engine."""
 
     def __init__(
-        self, model_path: str, *, dtype: str = "bfloat16", poll_every: int = 64, **server_args: object
+        self,
+        model_path: str,
+        *,
+        dtype: str = "bfloat16",
+        poll_every: int = 64,
+        **server_args: object,
     ) -> None:
         try:
             import sglang
@@ -57,7 +62,9 @@ class SGLangEngine:
             raise RuntimeError(f"sglang refused the weights of version {version}: {message}")
         self.version = version
 
-    def _request_params(self, params: SamplingParams, max_new_tokens: int, seed: int | None) -> dict:
+    def _request_params(
+        self, params: SamplingParams, max_new_tokens: int, seed: int | None
+    ) -> dict:
         request = {
             "max_new_tokens": max_new_tokens,
             "temperature": params.temperature,
@@ -98,7 +105,7 @@ class SGLangEngine:
                 ],
                 return_logprob=True,
             )
-            for row, result in zip(active, results):
+            for row, result in zip(active, results, strict=True):
                 self._append(outputs[row], result["meta_info"], version, params)
             active = [
                 row

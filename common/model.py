@@ -54,8 +54,14 @@ def default_corpus() -> str:
     Deterministic, so every process that builds the tiny tokenizer gets the same vocabulary.
     """
     lines = [_WORDS, _WORDS.upper(), _WORDS.title(), _PUNCTUATION, "0123456789 " * 4]
-    lines += [f"What is {a} + {b}? The answer is {a + b}." for a in range(0, 60, 7) for b in (3, 18, 42)]
-    lines += [f"Compute {a} * {b} = {a * b}; {a} - {b} = {a - b}." for a in range(2, 40, 5) for b in (4, 9)]
+    lines += [
+        f"What is {a} + {b}? The answer is {a + b}." for a in range(0, 60, 7) for b in (3, 18, 42)
+    ]
+    lines += [
+        f"Compute {a} * {b} = {a * b}; {a} - {b} = {a - b}."
+        for a in range(2, 40, 5)
+        for b in (4, 9)
+    ]
     lines += [f"Step {i}: the {w} is {i % 3 == 0}." for i, w in enumerate(_WORDS.split()[:40])]
     return "\n".join(lines)
 
@@ -189,7 +195,9 @@ def load_causal_lm(
 def ensure_model(path: str | Path, *, builtin: str | None) -> Path:
     """Build the named built-in model at `path` when it is missing; otherwise check it is complete."""
     if builtin is not None and builtin not in BUILTIN_MODELS:
-        raise ValueError(f"model.builtin={builtin!r} is unknown; choose one of {BUILTIN_MODELS} or null")
+        raise ValueError(
+            f"model.builtin={builtin!r} is unknown; choose one of {BUILTIN_MODELS} or null"
+        )
     if builtin == "tiny":
         return build_tiny_model(path)
     return _require(path, ["config.json", "weights", "tokenizer"])
@@ -210,13 +218,18 @@ def tied_keys(model: PreTrainedModel) -> set[str]:
     output_embeddings = model.get_output_embeddings()
     if getattr(model.config, "tie_word_embeddings", False) and output_embeddings is not None:
         tied |= {
-            f"{name}.weight" for name, module in model.named_modules() if module is output_embeddings
+            f"{name}.weight"
+            for name, module in model.named_modules()
+            if module is output_embeddings
         }
     return tied
 
 
 def state_dict_for_export(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """Detached, contiguous CPU copies of the weights, with tied tensors sent once."""
+    """Detached, contiguous CPU copies of the weights, with tied tensors sent once.
+
+    Copies, so the learner can keep training while the export is still being sent.
+    """
     tied = tied_keys(model)
     return {
         name: tensor.detach().to("cpu", copy=True).contiguous()
@@ -228,7 +241,9 @@ def state_dict_for_export(model: PreTrainedModel) -> dict[str, torch.Tensor]:
 def load_exported_state_dict(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> None:
     """Load a `state_dict_for_export` dict into `model`; only tied keys may be absent."""
     expected = model.state_dict()
-    not_tensors = sorted(name for name, value in tensors.items() if not isinstance(value, torch.Tensor))
+    not_tensors = sorted(
+        name for name, value in tensors.items() if not isinstance(value, torch.Tensor)
+    )
     if not_tensors:
         raise TypeError(f"weights must be torch.Tensor; not for {not_tensors[:5]}")
     missing = sorted(set(expected) - set(tensors) - tied_keys(model))

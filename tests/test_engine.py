@@ -25,9 +25,16 @@ from common.model import (
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 ENGINE_OPTIONS = {
     "torch": {},
-    "sglang": {"dtype": "float32", "enable_deterministic_inference": True, "mem_fraction_static": 0.3},
+    "sglang": {
+        "dtype": "float32",
+        "enable_deterministic_inference": True,
+        "mem_fraction_static": 0.3,
+    },
 }
-MODEL_SIZES = {"torch": {"hidden_size": 64, "num_heads": 4}, "sglang": {"hidden_size": 256, "num_heads": 4}}
+MODEL_SIZES = {
+    "torch": {"hidden_size": 64, "num_heads": 4},
+    "sglang": {"hidden_size": 256, "num_heads": 4},
+}
 ATOL = {"torch": 1e-4, "sglang": 2e-3}  # sglang's GPU kernels differ from the HF reference
 POLL_EVERY = 8
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48], [100, 101, 102, 103, 104]]
@@ -46,13 +53,17 @@ def engine_name(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def model_path(engine_name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp(engine_name) / "tiny", **MODEL_SIZES[engine_name])
+    return build_tiny_model(
+        tmp_path_factory.mktemp(engine_name) / "tiny", **MODEL_SIZES[engine_name]
+    )
 
 
 @pytest.fixture(scope="module")
 def engine(engine_name: str, model_path: Path) -> Iterator[Engine]:
     torch.set_num_threads(1)
-    engine = make_engine(engine_name, str(model_path), poll_every=POLL_EVERY, **ENGINE_OPTIONS[engine_name])
+    engine = make_engine(
+        engine_name, str(model_path), poll_every=POLL_EVERY, **ENGINE_OPTIONS[engine_name]
+    )
     yield engine
     if hasattr(engine, "close"):
         engine.close()
@@ -80,7 +91,7 @@ def reference_logprobs(
         logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].double()
     scores = logits[len(prompt) - 1 : -1].numpy() / temperature
     result = []
-    for row, token in zip(scores, tokens):
+    for row, token in zip(scores, tokens, strict=True):
         probs = np.exp(row - row.max())
         probs /= probs.sum()
         order = np.argsort(-probs, kind="stable")
@@ -96,12 +107,16 @@ def reference_logprobs(
 def assert_matches_forward(
     generations: list[Generation], model: torch.nn.Module, params: SamplingParams, atol: float
 ) -> None:
-    for prompt, gen in zip(PROMPTS, generations):
-        expected = reference_logprobs(model, prompt, gen.token_ids, params.temperature, params.top_p)
+    for prompt, gen in zip(PROMPTS, generations, strict=True):
+        expected = reference_logprobs(
+            model, prompt, gen.token_ids, params.temperature, params.top_p
+        )
         np.testing.assert_allclose(gen.logprobs, expected, atol=atol)
 
 
-def test_logprobs_equal_a_full_forward(engine: Engine, engine_name: str, reference: torch.nn.Module) -> None:
+def test_logprobs_equal_a_full_forward(
+    engine: Engine, engine_name: str, reference: torch.nn.Module
+) -> None:
     params = SamplingParams(max_new_tokens=12, seed=3)
     generations = engine.generate(PROMPTS, params)
     assert_matches_forward(generations, reference, params, ATOL[engine_name])
@@ -130,7 +145,9 @@ def test_batch_matches_one_by_one(engine: Engine, engine_name: str) -> None:
     for row, prompt in enumerate(PROMPTS):
         alone = engine.generate([prompt], SamplingParams(max_new_tokens=10, seed=11 + row))[0]
         assert alone.token_ids == batched[row].token_ids
-        np.testing.assert_allclose(alone.logprobs, batched[row].logprobs, atol=ATOL[engine_name] / 10)
+        np.testing.assert_allclose(
+            alone.logprobs, batched[row].logprobs, atol=ATOL[engine_name] / 10
+        )
 
 
 def test_seed_makes_generation_repeatable(engine: Engine) -> None:
@@ -156,15 +173,21 @@ def test_stop_token_ends_generation_inclusively(engine: Engine) -> None:
     assert stopped.finish_reason == "stop"
 
 
-def test_stop_string_ends_generation_at_the_completing_token(engine: Engine, model_path: Path) -> None:
+def test_stop_string_ends_generation_at_the_completing_token(
+    engine: Engine, model_path: Path
+) -> None:
     tokenizer = load_tokenizer(model_path)
     free = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=20, seed=9))[0].token_ids
     stop = tokenizer.decode(free[5:7], skip_special_tokens=False)
     assert stop
     completing = next(
-        i for i in range(len(free)) if stop in tokenizer.decode(free[: i + 1], skip_special_tokens=False)
+        i
+        for i in range(len(free))
+        if stop in tokenizer.decode(free[: i + 1], skip_special_tokens=False)
     )
-    stopped = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=20, seed=9, stop=[stop]))[0]
+    stopped = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=20, seed=9, stop=[stop]))[
+        0
+    ]
     assert stopped.token_ids == free[: completing + 1]
     assert stopped.finish_reason == "stop"
 
@@ -206,7 +229,7 @@ def test_mid_generation_swap_tags_tokens_with_both_versions(
     finally:
         engine.load_weights(0, state_dict_for_export(reference))
     assert len(calls) == 2  # after tokens 8 and 16
-    for prompt, gen in zip(PROMPTS, generations):
+    for prompt, gen in zip(PROMPTS, generations, strict=True):
         assert gen.versions == [0] * POLL_EVERY + [1] * (20 - POLL_EVERY)
         assert np.isfinite(gen.logprobs).all()
         old = reference_logprobs(reference, prompt, gen.token_ids, 1.0, 1.0)
@@ -225,8 +248,14 @@ def test_bad_requests_are_refused(engine: Engine) -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("max_new_tokens", 0), ("temperature", 0.0), ("temperature", float("nan")), ("top_p", 1.5),
-     ("stop", [""]), ("stop_token_ids", [-1])],
+    [
+        ("max_new_tokens", 0),
+        ("temperature", 0.0),
+        ("temperature", float("nan")),
+        ("top_p", 1.5),
+        ("stop", [""]),
+        ("stop_token_ids", [-1]),
+    ],
 )
 def test_sampling_params_are_validated(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
@@ -240,7 +269,9 @@ def test_torch_engine_refuses_prompts_past_the_context(tmp_path: Path) -> None:
 
 
 def test_unknown_engine_lists_the_known_ones(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="'vllm' is unknown; choose one of \\('torch', 'sglang'\\)"):
+    with pytest.raises(
+        ValueError, match="'vllm' is unknown; choose one of \\('torch', 'sglang'\\)"
+    ):
         make_engine("vllm", str(tmp_path))
 
 
