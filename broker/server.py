@@ -297,10 +297,13 @@ class Broker:
         envelope, msg, deadline = self.pending_batch  # type: ignore[misc]
         head, eta = msg.header, self.cfg.max_staleness
         v_learner, n = head["version"], head["n"]
-        for permit, segs in list(self.complete):
+        fresh = deque()
+        for permit, segs in self.complete:
             if v_learner - min(s.min_version for s in segs) > eta:
-                self.complete.remove((permit, segs))
                 self._drop_episode(permit, segs, "stale", queued=True)
+            else:
+                fresh.append((permit, segs))
+        self.complete = fresh
         stragglers = self.admission.stragglers(v_learner) if head["publishes_after"] else []
         if stragglers or len(self.complete) < n:
             if time.monotonic() >= deadline:
@@ -311,11 +314,12 @@ class Broker:
                 self._send(envelope, self._reply(msg, "WAIT", {"reason": waiting, "retry_after_s": 0.0,
                                                                "latest_version": self.weights.latest_version}))
             return
-        forced = [ep for ep in self.complete if head["publishes_after"] and ep[0].version <= v_learner - eta]
-        rest = [ep for ep in self.complete if ep not in forced]
-        take = forced + rest[:max(0, n - len(forced))]
-        for ep in take:
-            self.complete.remove(ep)
+        # Rule 2: episodes that would be too stale after this publish go first, then arrival order.
+        must = [head["publishes_after"] and p.version <= v_learner - eta for p, _ in self.complete]
+        order = [i for i, m in enumerate(must) if m] + [i for i, m in enumerate(must) if not m]
+        chosen = set(order[:max(n, sum(must))])
+        take = [self.complete[i] for i in order if i in chosen]
+        self.complete = deque(ep for i, ep in enumerate(self.complete) if i not in chosen)
         self.admission.consume(len(take))
         headers, tensors = [], {}
         for permit, segs in take:
