@@ -53,7 +53,8 @@ class Actor:
         self.id = actor_id(cfg)
         self.endpoint = Endpoint(cfg.security, cfg.broker.max_message_bytes)
         self.client = Client(self.endpoint, cfg.actor.broker, self.id, timeout_s=30.0)
-        self.engine = make_engine(cfg.actor.engine, cfg.model.path, poll_every=cfg.actor.poll_every_tokens)
+        dtype = {} if cfg.actor.engine_dtype == "auto" else {"dtype": cfg.actor.engine_dtype}
+        self.engine = make_engine(cfg.actor.engine, cfg.model.path, poll_every=cfg.actor.poll_every_tokens, **dtype)
         self.fmt = ChatFormat(load_tokenizer(cfg.model.path))
         self.engine.version = -1  # the local checkpoint is not a published version: fetch one first
         self.held: list[dict] = []
@@ -142,17 +143,20 @@ class Actor:
             time.sleep(reply.header["retry_after_s"])
         return []
 
-    def send(self, seg: Segment) -> None:
+    def send(self, seg: Segment) -> bool:
+        """Stream one segment; False when the broker will never take this episode (stop playing it)."""
         try:
             reply = self._call("TRAJ", seg.header(), seg.arrays())
         except TransportError as exc:  # refused for good (unknown permit after a broker restart, ...)
             M_LOST.labels(reason=exc.code).inc()
-            log.warning("segment refused", traj_id=seg.traj_id, error=str(exc))
-            return
+            log.warning("segment refused; abandoning its episode", traj_id=seg.traj_id, error=str(exc))
+            return False
         if reply.header.get("dropped"):
             M_LOST.labels(reason=reply.header["dropped"]).inc()
-        else:
-            M_SEGMENTS.inc()
+            log.info("episode dropped by the broker", traj_id=seg.traj_id, reason=reply.header["dropped"])
+            return False
+        M_SEGMENTS.inc()
+        return True
 
     # --------------------------------------------------------------- rollouts
     def rollout(self, permits: list[dict]) -> None:
@@ -176,8 +180,8 @@ class Actor:
             gens = self.engine.generate([e.context for e in active], params, poll_weights=self._poll)
             for ep, gen in zip(active, gens, strict=True):
                 M_TOKENS.inc(len(gen.token_ids))
-                for seg in ep.step(gen):
-                    self.send(seg)
+                if not all(self.send(seg) for seg in ep.step(gen)):
+                    ep.done = True
                 if ep.done:
                     self._finish(ep)
             self._poll()

@@ -22,6 +22,7 @@ from broker.admission import Admission, Permit
 from broker.spool import Spool
 from broker.weights import WeightStore, WeightVersion
 from common.config import Config
+from common.log import bind_version
 from common.metrics import Health
 from common.protocol import Message, ProtocolError, decode, encode, error_frames
 from common.trajectory import Segment
@@ -47,9 +48,9 @@ M_FANOUT = Histogram("asyncppo_broker_weight_fanout_seconds", "Commit of a versi
 
 ACTOR_KINDS = {"PERMITS_REQ", "TRAJ", "BYE"}
 LEARNER_KINDS = {"GET_BATCH", "PUBLISH_BEGIN", "PUBLISH_CHUNK", "PUBLISH_COMMIT"}
-SEEN_IDS = 1_000_000
+SEEN_IDS = 1_000_000  # traj_ids remembered for duplicate detection
 STAT_COUNTS = ("received", "accepted", "rejected_invalid", "dropped_stale", "dropped_incomplete_episode",
-               "handed_out", "episodes_handed_out", "permits_reclaimed")  # always present in STATS  # traj_ids remembered for duplicate detection
+               "handed_out", "episodes_handed_out", "permits_reclaimed")  # always present in STATS
 
 
 def _nbytes(frames: list) -> int:
@@ -81,6 +82,7 @@ class Broker:
         if self.spool:
             self._restore()
         M_VERSION.set(self.weights.latest_version)
+        bind_version(self.weights.latest_version)
         log.info("broker listening", bind=self.cfg.bind, max_staleness=self.cfg.max_staleness,
                  spool=self.cfg.spool_dir, curve=cfg.security.curve, version=self.weights.latest_version)
 
@@ -129,7 +131,7 @@ class Broker:
             reply = self._dispatch(msg, envelope, body)
         except ProtocolError as exc:
             self._count_reject(exc, msg)
-            self._send(envelope, error_frames(exc, msg.req if msg else 0))
+            self._send(envelope, error_frames(exc, msg.req if msg else exc.req))
             return
         if reply is not None:
             self._send(envelope, reply)
@@ -140,7 +142,10 @@ class Broker:
         if not isinstance(client, str) or not client:
             raise ProtocolError("missing_field", "id", "every request carries the client id")
         if msg.kind in LEARNER_KINDS and client != self.learner_id:
-            raise ProtocolError("not_learner", "id", f"{client!r} is not the registered learner; send HELLO first")
+            raise ProtocolError("not_learner", "id", f"{client!r} is not the registered learner; send HELLO first",
+                                retryable=True)
+        if client in self.actors:  # any message of a registered actor shows it is alive (long downloads too)
+            self.actors[client] = time.monotonic()
         if msg.kind in ACTOR_KINDS | {"HEARTBEAT"} and client != self.learner_id:
             if client not in self.actors and msg.kind != "BYE":
                 raise ProtocolError("unknown_actor", "id", f"actor {client!r} is not registered; send HELLO",
@@ -356,6 +361,7 @@ class Broker:
             self.spool.save_weights(wv.version, wv.manifest, [bytes(c) for c in wv.chunks])  # type: ignore[arg-type]
         self._dirty = True
         M_VERSION.set(wv.version)
+        bind_version(wv.version)
         log.info("policy version published", version=wv.version, bytes=wv.manifest["total_bytes"],
                  chunks=len(wv.chunks))
         return self._reply(msg, "OK", {"version": wv.version})

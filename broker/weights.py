@@ -84,5 +84,6 @@ class WeightStore:
 
     def _pending(self, version: int) -> WeightVersion:
         if self.pending is None or self.pending.version != version:
-            raise ProtocolError("no_publish", "version", f"no publish of version {version} is in progress")
+            raise ProtocolError("no_publish", "version", f"no publish of version {version} is in progress "
+                                "(the broker restarted?): start again with PUBLISH_BEGIN", retryable=True)
         return self.pending

@@ -19,7 +19,7 @@ PROTO = 1
 
 # Frame dtypes are numpy dtype strings, little-endian only, so every client can read them.
 FRAME_DTYPES = {"<i4", "<i8", "|u1", "<f4", "<f2", "<u2", "|b1"}
-MAX_TENSORS = 4096
+MAX_TENSORS = 1 << 16  # a BATCH carries 5 per segment
 MAX_NDIM = 4
 
 
@@ -32,6 +32,7 @@ class ProtocolError(ValueError):
         self.field = field
         self.detail = message
         self.retryable = retryable
+        self.req = 0  # the request number, when the header was readable: the ERROR reply echoes it
 
 
 @dataclass
@@ -115,6 +116,15 @@ def decode(frames: list, *, max_bytes: int | None = None) -> Message:
         raise ProtocolError("bad_header", "frame0", f"not a msgpack map: {exc}") from None
     if not isinstance(head, dict):
         raise ProtocolError("bad_header", "frame0", f"expected a map, got {type(head).__name__}")
+    try:
+        return _validate(head, views)
+    except ProtocolError as exc:
+        req = head.get("req")
+        exc.req = req if isinstance(req, int) and not isinstance(req, bool) else 0
+        raise
+
+
+def _validate(head: dict, views: list[memoryview]) -> Message:
     if head.get("proto") != PROTO:
         raise ProtocolError("bad_proto", "proto", f"expected {PROTO}, got {head.get('proto')!r}")
     kind = head.get("kind")
