@@ -36,7 +36,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from common.config import Config
 from common.log import bind_version
 from common.metrics import Health
-from common.model import state_dict_for_export
+from common.model import state_dict_for_export, tied_keys
 from common.protocol import decode, encode
 from common.trajectory import Segment
 from common.transport import Client, Endpoint, TransportError
@@ -156,14 +156,15 @@ class Learner:
                  broker=self.lc.broker, step=self.step)
 
     # ------------------------------------------------------------ the model
-    def _forward(self, input_ids: torch.Tensor, attn: torch.Tensor, *, critic: bool = False) -> torch.Tensor:
-        """Policy log-probs [B,T] aligned to tokens, or critic values V[B,T] aligned to tokens."""
+    def _forward(self, input_ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass per model: policy log-probs [B,T] aligned to tokens and the critic's raw outputs
+        [B,T] (index t = the state after token t; None without a critic)."""
         if self.shared:
-            logits, values = self.policy(input_ids, attn)
-            return shift_to_tokens(values) if critic else token_logprobs(logits, input_ids, self.cfg.actor.temperature)
-        if critic:
-            return shift_to_tokens(self.critic(input_ids, attn))
-        return token_logprobs(self.policy(input_ids, attn), input_ids, self.cfg.actor.temperature)
+            logits, raw = self.policy(input_ids, attn)
+        else:
+            logits = self.policy(input_ids, attn)
+            raw = self.critic(input_ids, attn) if self.critic is not None else None
+        return token_logprobs(logits, input_ids, self.cfg.actor.temperature), raw
 
     def _policy_module(self) -> torch.nn.Module:
         return self.policy.module.policy
@@ -204,13 +205,7 @@ class Learner:
     def publish(self) -> None:
         """Export the full state dict (tied tensors once), chunk it, push it; visible on COMMIT."""
         t0 = time.monotonic()
-        if self.lc.zero_stage == 3:
-            state = self.policy._zero3_consolidated_16bit_state_dict()  # every rank takes part in the gather
-            prefix = "policy."
-            state = {k[len(prefix):]: v for k, v in (state or {}).items() if k.startswith(prefix)}
-            tensors = state_dict_for_export(self._policy_module(), state) if self.rank == 0 else {}
-        else:
-            tensors = state_dict_for_export(self._policy_module()) if self.rank == 0 else {}
+        tensors = self.export_weights()
         if self.rank == 0:
             manifest, chunks = pack_state_dict(tensors, self.version, self.lc.weight_chunk_bytes)
             while True:
@@ -230,6 +225,21 @@ class Learner:
                      seconds=round(time.monotonic() - t0, 3))
         M_VERSION.set(self.version)
         bind_version(self.version)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's full state dict as ``publish`` sends it (tied tensors once); {} off rank 0.
+
+        Under ZeRO-3 every rank must call this: DeepSpeed gathers the shards layer by layer.
+        """
+        module = self._policy_module()
+        if self.lc.zero_stage != 3:
+            return state_dict_for_export(module) if self.rank == 0 else {}
+        state = self.policy._zero3_consolidated_16bit_state_dict()
+        if self.rank != 0:
+            return {}
+        prefix, tied = "policy.", tied_keys(module)
+        return {name: tensor for key, tensor in state.items()
+                if key.startswith(prefix) and (name := key[len(prefix):]) not in tied}
 
     def _get_batch(self) -> list[Segment]:
         """Rank 0 waits for a batch; every rank gets the same segments, validated by the wire decoder."""
@@ -262,9 +272,10 @@ class Learner:
         prox, values, end_values, ref = [], [], [], [] if self.reference is not None else None
         for idx in data.micro_batches(segs, self.lc.micro_batch_tokens):
             ids, attn, lens = self._inputs([segs[i] for i in idx])
-            lp = self._forward(ids, attn)
-            v = self._forward(ids, attn, critic=True) if self.use_critic else torch.zeros_like(lp)
-            vend = self._end_values(ids, attn, lens) if self.use_critic else [0.0] * len(idx)
+            lp, raw = self._forward(ids, attn)
+            v = shift_to_tokens(raw) if raw is not None else torch.zeros_like(lp)
+            # The value after each segment's last token: the bootstrap at a cut with no next segment.
+            vend = [float(raw[j, n - 1]) if raw is not None else 0.0 for j, n in enumerate(lens)]
             r = token_logprobs(self.reference(ids, attn), ids, self.cfg.actor.temperature) if ref is not None else None
             for j, i in enumerate(idx):
                 prox.append((i, lp[j, :lens[j]]))
@@ -274,11 +285,6 @@ class Learner:
                     ref.append((i, r[j, :lens[j]]))
         order = lambda pairs: [t for _, t in sorted(pairs, key=lambda p: p[0])]  # noqa: E731
         return order(prox), order(values), order(end_values), order(ref) if ref is not None else None
-
-    def _end_values(self, ids: torch.Tensor, attn: torch.Tensor, lens: list[int]) -> list[float]:
-        """The critic's value after each segment's last token (bootstrap at a cut with no next segment)."""
-        raw = self.policy(ids, attn)[1] if self.shared else self.critic(ids, attn)
-        return [float(raw[j, n - 1]) for j, n in enumerate(lens)]
 
     @staticmethod
     def _inputs(segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -335,13 +341,20 @@ class Learner:
         train_policy = self.step >= lc.critic_warmup_steps
         sums = {"policy_loss": 0.0, "value_loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "grad_norm": 0.0}
 
-        def run_micro(engine: Any, loss_fn: Callable[[list[int]], torch.Tensor]) -> None:
-            """Accumulate over the same number of micro-batches on every rank, then step once."""
+        def run_micro(engine: Any, loss_fn: Callable[[list[int]], torch.Tensor]) -> float:
+            """Accumulate over the same number of micro-batches on every rank, then step once.
+
+            Returns the gradient norm before clipping. DeepSpeed keeps it only in its ZeRO
+            optimizers; without ZeRO the (already all-reduced) gradients are plain ``.grad``.
+            """
             for j in range(n_micro):
                 engine.set_gradient_accumulation_boundary(j == n_micro - 1)
                 loss = loss_fn(mbs[j]) if j < len(mbs) else self._zero_loss(engine)
                 engine.backward(loss * self.world, scale_wrt_gas=False)
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None] if lc.zero_stage == 0 else None
+            norm = torch.nn.utils.get_total_norm(grads) if grads is not None else None
             engine.step()
+            return float(engine.get_global_grad_norm() if norm is None else norm)
 
         def policy_loss(idx: list[int]) -> torch.Tensor:
             ids, attn, lens = self._inputs([segs[i] for i in idx])
@@ -376,8 +389,7 @@ class Learner:
                 for _ in range(lc.critic_updates):
                     run_micro(self.critic, critic_loss)
             if train_policy or self.shared:
-                run_micro(self.policy, policy_loss)
-                sums["grad_norm"] = float(self.policy.get_global_grad_norm() or 0.0)
+                sums["grad_norm"] = run_micro(self.policy, policy_loss)
         for key in ("policy_loss", "value_loss", "clip_fraction", "approx_kl"):
             sums[key] /= lc.ppo_epochs
 
@@ -406,12 +418,18 @@ class Learner:
             "max_staleness": max(staleness), "staleness_histogram": np.bincount(staleness).tolist(),
             "step_seconds": seconds, "tokens_per_second": n_tokens / max(seconds, 1e-9), "clip": clip,
             "actors": sorted({s.actor_id for s in batch}), "time": time.time(),
+            "traj_ids": [s.traj_id for s in batch],  # lets a reader check no segment is trained twice
         }
         return stats
 
     def _zero_loss(self, engine: Any) -> torch.Tensor:
-        """A loss of exactly 0 that touches every parameter: keeps ranks in lockstep in collectives."""
-        return sum(p.sum() for p in engine.module.parameters() if p.requires_grad) * 0.0
+        """A loss of exactly 0 from a one-token forward pass: keeps ranks in lockstep in collectives.
+
+        A real forward, not a sum over parameters: under ZeRO-3 parameters exist only inside it.
+        """
+        ids = torch.zeros(1, 1, dtype=torch.long)
+        out = engine(ids, torch.ones_like(ids))
+        return sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))) * 0.0
 
     def _record(self, stats: dict[str, Any], batch: list[Segment]) -> None:
         M_STEPS.inc()

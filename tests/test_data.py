@@ -1,0 +1,242 @@
+"""From a batch to training targets: the bootstrap value at every kind of segment end, turn spans,
+micro-batch packing, the rank split and GRPO targets, on hand-built segments.
+
+With gamma = lam = 1 GAE has a closed form, A_t = (rewards from t on) + V_boot - V_t, so the
+expected advantages below are written from that formula, not from the recursion under test.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.trajectory import Segment
+from learner.data import (
+    group_episodes,
+    grpo_targets,
+    micro_batches,
+    segment_targets,
+    split_for_rank,
+    turn_starts,
+)
+
+
+def make_segment(
+    layout: str,
+    *,
+    episode: str = "ep",
+    index: int = 0,
+    rewards: dict[int, float] | None = None,
+    terminated: bool = True,
+    last: bool = True,
+    group: str | None = None,
+    behavior: float = -6.0,
+) -> Segment:
+    """A segment from a layout string, 'a' = sampled action token, 'o' = prompt/observation token.
+
+    The reward defaults to 1 on the last action token; token ids are fixed per (episode, index).
+    """
+    mask = np.array([c == "a" for c in layout], dtype="|u1")
+    actions = np.flatnonzero(mask)
+    reward_array = np.zeros(len(layout), "<f4")
+    for pos, r in (rewards if rewards is not None else {int(actions[-1]): 1.0}).items():
+        reward_array[pos] = r
+    rng = np.random.default_rng(zlib.crc32(f"{episode}/{index}".encode()))
+    return Segment(
+        traj_id=f"{episode}/{index}",
+        episode_id=episode,
+        segment=index,
+        actor_id="actor-0",
+        task="test",
+        group_id=group,
+        permit=f"permit-{episode}",
+        last=last,
+        terminated=terminated,
+        truncated=not terminated,
+        tokens=rng.integers(5, 400, len(layout)).astype("<i4"),
+        action_mask=mask,
+        behavior_logprobs=np.where(mask == 1, behavior, 0.0).astype("<f4"),
+        versions=np.where(mask == 1, 0, -1).astype("<i4"),
+        rewards=reward_array,
+    )
+
+
+def closed_form(seg: Segment, values: torch.Tensor, boot: float) -> tuple[list[float], list[float]]:
+    """gamma = lam = 1: A_t = sum_{k >= t} r_k + V_boot - V_t and R_t = A_t + V_t, 0 off actions."""
+    mask = seg.action_mask.astype(bool)
+    to_go = np.cumsum(seg.rewards[::-1])[::-1]
+    adv = np.where(mask, to_go + boot - values.numpy(), 0.0)
+    ret = np.where(mask, to_go + boot, 0.0)
+    return adv.tolist(), ret.tolist()
+
+
+def targets(
+    seg: Segment,
+    values: torch.Tensor,
+    *,
+    end_value: float,
+    next_value: float | None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    max_segment_steps: int = 50,
+):
+    return segment_targets(
+        seg,
+        values,
+        end_value,
+        next_value,
+        gamma=gamma,
+        lam=lam,
+        critic_lam=1.0,
+        adaptive_alpha=None,
+        max_segment_steps=max_segment_steps,
+    )
+
+
+LAYOUT = "ooaaoaa"  # two turns; dyadic values keep float32 exact
+VALUES = torch.tensor([0.0, 0.0, 0.5, 0.25, 9.0, -0.5, 0.75])
+NEXT_VALUE, END_VALUE = 0.75, -3.0
+
+
+@pytest.mark.parametrize(
+    ("terminated", "next_value", "boot"),
+    [
+        pytest.param(False, NEXT_VALUE, NEXT_VALUE, id="compaction-bootstraps-from-next-segment"),
+        pytest.param(False, None, END_VALUE, id="truncated-without-next-bootstraps-from-end-value"),
+        pytest.param(True, None, 0.0, id="terminal-bootstraps-from-zero"),
+    ],
+)
+def test_segment_end_bootstrap(terminated, next_value, boot):
+    seg = make_segment(LAYOUT, rewards={3: 0.5, 6: 1.0}, terminated=terminated, last=terminated)
+    t = targets(seg, VALUES, end_value=END_VALUE, next_value=next_value)
+    adv, ret = closed_form(seg, VALUES, boot)
+    assert t.advantages.tolist() == pytest.approx(adv)
+    assert t.returns.tolist() == pytest.approx(ret)
+    # With gamma, lam < 1 the last action still sees exactly r + gamma * V_boot - V (one-step TD).
+    t = targets(seg, VALUES, end_value=END_VALUE, next_value=next_value, gamma=0.5, lam=0.5)
+    assert float(t.advantages[6]) == pytest.approx(1.0 + 0.5 * boot - 0.75)
+
+
+def test_dynamic_truncation_cuts_and_bootstraps_at_the_cut():
+    # Four one-token turns at 1, 3, 5, 7; max 2 turns per piece cuts before position 5.
+    seg = make_segment("oaoaoaoa", rewards={1: 1.0, 3: 2.0, 5: 4.0, 7: 8.0}, terminated=True)
+    values = torch.tensor([0.0, 0.5, 0.0, -0.25, 0.0, 1.5, 0.0, 0.125])
+    t = targets(seg, values, end_value=END_VALUE, next_value=None, max_segment_steps=2)
+    first = make_segment("oaoao", rewards={1: 1.0, 3: 2.0})
+    second = make_segment("aoa", rewards={0: 4.0, 2: 8.0})
+    adv_first, ret_first = closed_form(first, values[:5], boot=float(values[5]))
+    adv_second, ret_second = closed_form(second, values[5:], boot=0.0)
+    assert t.advantages.tolist() == pytest.approx(adv_first + adv_second)
+    assert t.returns.tolist() == pytest.approx(ret_first + ret_second)
+    # Without a cut the first turns see every later reward.
+    uncut = targets(seg, values, end_value=END_VALUE, next_value=None, max_segment_steps=4)
+    assert uncut.advantages.tolist() == pytest.approx(closed_form(seg, values, boot=0.0)[0])
+
+
+def test_adaptive_lambda_depends_on_the_segment_length():
+    seg = make_segment("o" + "a" * 10)
+    t = segment_targets(
+        seg,
+        torch.zeros(11),
+        0.0,
+        None,
+        gamma=1.0,
+        lam=0.95,
+        critic_lam=1.0,
+        adaptive_alpha=0.5,
+        max_segment_steps=50,
+    )
+    assert t.lam == pytest.approx(1 - 1 / (0.5 * 10))  # lambda = 1 - 1 / (alpha * L)
+
+
+@pytest.mark.parametrize(
+    ("mask", "starts"),
+    [
+        ([0, 1, 1, 0, 0, 1, 0, 1, 1], [1, 5, 7]),
+        ([1, 1, 0, 1], [0, 3]),
+        ([0, 0, 0], []),
+    ],
+)
+def test_turn_starts(mask, starts):
+    assert turn_starts(torch.tensor(mask, dtype=torch.uint8)) == starts
+
+
+def segments_of_lengths(lengths: list[int]) -> list[Segment]:
+    return [make_segment("o" + "a" * (n - 1), episode=f"ep{i}") for i, n in enumerate(lengths)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(2, 40), min_size=1, max_size=12), max_tokens=st.integers(1, 120)
+)
+def test_micro_batches_respect_the_token_limit(lengths, max_tokens):
+    segs = segments_of_lengths(lengths)
+    batches = micro_batches(segs, max_tokens)
+    assert sorted(i for b in batches for i in b) == list(range(len(segs)))
+    for b in batches:  # padded size = longest x count; only a lone segment may exceed the limit
+        assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= max_tokens
+
+
+def test_micro_batches_pack_equal_segments_together():
+    batches = micro_batches(segments_of_lengths([10] * 7), max_tokens=35)
+    assert [len(b) for b in batches] == [3, 3, 1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    episode_lengths=st.lists(
+        st.lists(st.integers(2, 30), min_size=1, max_size=3), min_size=1, max_size=10
+    ),
+    world=st.integers(1, 4),
+)
+def test_split_for_rank_covers_every_episode_once_and_whole(episode_lengths, world):
+    segs = [
+        make_segment("o" + "a" * (n - 1), episode=f"ep{e}", index=k)
+        for e, lengths in enumerate(episode_lengths)
+        for k, n in enumerate(lengths)
+    ]
+    episodes = group_episodes(segs)
+    shares = [split_for_rank(episodes, rank, world) for rank in range(world)]
+    assigned = [ep for share in shares for ep in share]
+    assert sorted(id(ep) for ep in assigned) == sorted(id(ep) for ep in episodes)
+    assert sorted(s.traj_id for ep in assigned for s in ep) == sorted(s.traj_id for s in segs)
+    # Greedy balance: loads differ by at most the largest episode.
+    loads = [sum(s.num_tokens for ep in share for s in ep) for share in shares]
+    assert max(loads) - min(loads) <= max(sum(lengths) for lengths in episode_lengths)
+    assert shares == [
+        split_for_rank(episodes, rank, world) for rank in range(world)
+    ]  # deterministic
+
+
+def test_group_episodes_orders_segments_by_index():
+    late, early = make_segment("oa", episode="e", index=1), make_segment("oa", episode="e", index=0)
+    other = make_segment("oa", episode="f")
+    assert group_episodes([late, other, early]) == [[early, late], [other]]
+
+
+def test_grpo_targets_broadcast_the_group_advantage_to_action_tokens():
+    # Group g1: episode a (two segments, reward 0.5 + 0.5) vs episode b (reward 0): A = +1 / -1.
+    # Group g2: equal rewards, A = 0. Episode c has no group: a group of its own, A = 0.
+    a0 = make_segment(
+        "oaao", episode="a", rewards={2: 0.5}, terminated=False, last=False, group="g1"
+    )
+    a1 = make_segment("oooaa", episode="a", index=1, rewards={4: 0.5}, group="g1")
+    b = make_segment("oao", episode="b", rewards={}, group="g1")
+    d, e = (make_segment("oa", episode=name, rewards={1: 2.0}, group="g2") for name in "de")
+    c = make_segment("oaa", episode="c")
+    episodes = group_episodes([a0, a1, b, d, e, c])
+    out = grpo_targets(episodes)
+    expected = {"a": 1.0, "b": -1.0, "d": 0.0, "e": 0.0, "c": 0.0}
+    segs = [s for ep in episodes for s in ep]
+    assert len(out) == len(segs)
+    for seg, adv in zip(segs, out, strict=True):
+        mask = torch.from_numpy(seg.action_mask.astype(bool))
+        assert adv[mask].tolist() == pytest.approx(
+            [expected[seg.episode_id]] * int(mask.sum()), abs=1e-5
+        )
+        assert adv[~mask].tolist() == [0.0] * int((~mask).sum())

@@ -1,0 +1,383 @@
+"""The DeepSpeed learner on fixed, hand-built batches: no broker, `train_step(batch)` called directly.
+
+Every in-process Learner shares one world-size-1 gloo process group (a process can initialise it
+only once); the data-parallel test spawns two fresh processes. Comparisons between two runs look
+at the step statistics (losses, gradient norm) *and* the parameters: AdamW's first update is about
+lr * sign(g) per coordinate, so parameters alone would hide a wrongly scaled gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import free_port
+from deepspeed.runtime.zero import GatheredParameters
+from safetensors.torch import load_file, save_file
+from test_data import make_segment
+from transformers import AutoModelForCausalLM
+
+from common.config import load_config
+from common.model import state_dict_for_export
+from common.trajectory import Segment
+from common.weights import pack_state_dict, unpack_state_dict
+from learner import data
+from learner.models import Policy, token_logprobs
+from learner.trainer import Learner
+
+COMPARED = (
+    "policy_loss",
+    "value_loss",
+    "grad_norm",
+    "clip_fraction",
+    "approx_kl",
+    "icepop_kept_fraction",
+    "importance_weight_mean",
+)
+FAR_OFF = -1e30  # a finite but absurd behavior log-prob: pi_prox / mu overflows without the clamp
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_process_group():
+    """The env DeepSpeed reads for a world of one, set for this module only (subprocesses started
+    by other tests must not inherit it); one thread, since the machine is shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+        }.items():
+            env.setenv(key, value)
+        yield
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    torch.set_num_threads(threads)
+
+
+def build_learner(model: Path, run_dir: Path, *overrides: str, resume: bool = False) -> Learner:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Learner(
+        load_config(None, [f"model.path={model}", f"run.out_dir={run_dir}", *overrides]),
+        resume=resume,
+    )
+
+
+@pytest.fixture
+def new_learner(tmp_path, tiny_model):
+    """Learners on the tiny model with config overrides, each in its own run dir, closed at the end."""
+    made: list[Learner] = []
+
+    def make(*overrides: str, resume: bool = False, run_dir: Path | None = None) -> Learner:
+        made.append(
+            build_learner(
+                tiny_model, run_dir or tmp_path / f"run{len(made)}", *overrides, resume=resume
+            )
+        )
+        return made[-1]
+
+    yield make
+    for learner in made:
+        learner.close()
+
+
+def fixed_batch() -> list[Segment]:
+    """Four episodes of different lengths: one terminal, one compacted into two segments, one
+    ended by the turn budget (bootstraps from its end value)."""
+    return [
+        make_segment("oooaaaoooaa", episode="short", rewards={10: 1.0}),
+        make_segment(
+            "ooaaaaooooaaa", episode="long", rewards={5: 0.5}, terminated=False, last=False
+        ),
+        make_segment("oooooaaaaoa", episode="long", index=1, rewards={10: -1.0}),
+        make_segment("ooaaoooaaaaoaaa", episode="mid", rewards={14: 1.0}),
+        make_segment("ooooaaaaaaa", episode="budget", rewards={10: 0.5}, terminated=False),
+    ]
+
+
+def on_policy(batch: list[Segment], model: Path) -> list[Segment]:
+    """Behavior log-probs set to the starting policy's own: a sampler that matches the learner."""
+    policy = Policy(str(model), torch.float32).eval()
+    with torch.no_grad():
+        for seg in batch:
+            ids = torch.from_numpy(seg.tokens.astype("int64"))[None]
+            lp = token_logprobs(policy(ids, torch.ones_like(ids)), ids, temperature=1.0)[0].numpy()
+            seg.behavior_logprobs = np.where(seg.action_mask == 1, lp, 0.0).astype("<f4")
+    return batch
+
+
+def snapshot(learner: Learner) -> dict[str, torch.Tensor]:
+    """Copies of every trainable parameter (policy and critic), gathered under ZeRO-3."""
+    out = {}
+    for name, engine in (("policy", learner.policy), ("critic", learner.critic)):
+        if engine is None:
+            continue
+        params = list(engine.module.parameters())
+        with GatheredParameters(params, enabled=learner.lc.zero_stage == 3):
+            out |= {
+                f"{name}/{key}": p.detach().clone() for key, p in engine.module.named_parameters()
+            }
+    return out
+
+
+def changed(
+    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], prefix: str = ""
+) -> bool:
+    return any(not torch.equal(before[k], after[k]) for k in before if k.startswith(prefix))
+
+
+def assert_same_step(a: dict, b: dict, params_a: dict, params_b: dict, atol: float) -> None:
+    assert {k: a[k] for k in COMPARED} == pytest.approx(
+        {k: b[k] for k in COMPARED}, rel=atol, abs=atol
+    )
+    torch.testing.assert_close(params_a, params_b, rtol=0, atol=atol)
+
+
+def test_icepop_without_mismatch_equals_no_correction(new_learner, tiny_model):
+    batch = on_policy(fixed_batch(), tiny_model)
+    icepop, plain = new_learner("learner.correction=icepop"), new_learner("learner.correction=none")
+    before = snapshot(icepop)
+    stats_icepop, stats_plain = icepop.train_step(batch), plain.train_step(batch)
+    assert stats_icepop["icepop_kept_fraction"] == 1.0
+    assert stats_icepop["importance_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert changed(before, snapshot(icepop), "policy/")
+    assert_same_step(stats_icepop, stats_plain, snapshot(icepop), snapshot(plain), atol=1e-6)
+
+
+def test_mismatched_tokens_are_masked_without_nan(new_learner, tiny_model):
+    batch = on_policy(fixed_batch(), tiny_model)
+    # w = pi_prox / mu: e^10 (too high), e^-1 (too low), and e^(1e30) clamped to e^20 before exp.
+    for seg, pos, shift in ((batch[0], 4, -10.0), (batch[3], 8, 1.0)):
+        seg.behavior_logprobs[pos] += shift
+    batch[1].behavior_logprobs[3] = FAR_OFF
+    learner = new_learner()
+    stats = learner.train_step(batch)
+    n = sum(s.num_action_tokens for s in batch)
+    assert stats["icepop_kept_fraction"] == pytest.approx((n - 3) / n)
+    assert stats["importance_weight_max"] == pytest.approx(math.exp(20.0), rel=1e-5)
+    assert all(math.isfinite(stats[k]) for k in COMPARED)
+    assert all(torch.isfinite(p).all() for p in snapshot(learner).values())
+
+
+def test_fully_mismatched_batch_leaves_the_policy_untouched(new_learner):
+    batch = fixed_batch()
+    for seg in batch:
+        seg.behavior_logprobs[seg.action_mask == 1] = FAR_OFF
+    learner = new_learner()
+    before = snapshot(learner)
+    stats = learner.train_step(batch)
+    after = snapshot(learner)
+    assert stats["icepop_kept_fraction"] == 0.0 and stats["policy_loss"] == 0.0
+    assert not changed(before, after, "policy/")  # every policy gradient is exactly zero
+    assert changed(before, after, "critic/")  # the critic still learns from the batch
+
+
+def test_micro_batches_do_not_change_the_update(new_learner):
+    batch = fixed_batch()
+    assert (
+        len(data.micro_batches(batch, 16)) == len(batch)
+        and len(data.micro_batches(batch, 4096)) == 1
+    )
+    one, many = (
+        new_learner("learner.micro_batch_tokens=4096"),
+        new_learner("learner.micro_batch_tokens=16"),
+    )
+    stats_one, stats_many = one.train_step(batch), many.train_step(batch)
+    assert_same_step(stats_one, stats_many, snapshot(one), snapshot(many), atol=1e-5)
+
+
+DP_OVERRIDES = ("learner.micro_batch_tokens=16",)  # ranks end up with 3 and 2 micro-batches
+
+
+def train_one_rank(
+    rank: int, world: int, port: int, model: Path, out: Path, zero_stage: int, batch: list[Segment]
+) -> None:
+    """One data-parallel rank (run by torch.multiprocessing.spawn): a step, then rank 0 saves."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    learner = build_learner(model, out / "run", *DP_OVERRIDES, f"learner.zero_stage={zero_stage}")
+    stats = learner.train_step(batch)
+    params, exported = snapshot(learner), learner.export_weights()  # collectives: every rank calls
+    if rank == 0:
+        save_file(params, out / "params.safetensors")
+        save_file(exported, out / "exported.safetensors")
+        (out / "stats.json").write_text(json.dumps({k: stats[k] for k in COMPARED}))
+    learner.close()
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_two_ranks_take_the_same_step_as_one(new_learner, tiny_model, tmp_path, zero_stage):
+    batch = fixed_batch()
+    shares = [data.split_for_rank(data.group_episodes(batch), r, 2) for r in range(2)]
+    assert all(shares), "both ranks must get episodes"
+    mp.spawn(
+        train_one_rank, args=(2, free_port(), tiny_model, tmp_path, zero_stage, batch), nprocs=2
+    )
+    single = new_learner(*DP_OVERRIDES, f"learner.zero_stage={zero_stage}")
+    stats = single.train_step(batch)
+    two_ranks = json.loads((tmp_path / "stats.json").read_text())
+    assert_same_step(
+        two_ranks, stats, load_file(tmp_path / "params.safetensors"), snapshot(single), atol=1e-5
+    )
+    torch.testing.assert_close(
+        load_file(tmp_path / "exported.safetensors"), single.export_weights(), rtol=0, atol=1e-5
+    )
+
+
+@pytest.fixture(scope="module")
+def stepped(tmp_path_factory, tiny_model):
+    """One learner per ZeRO stage after one step on the same on-policy batch (built on first use)."""
+    cache: dict[int, tuple[Learner, dict, dict]] = {}
+    batch = on_policy(fixed_batch(), tiny_model)
+
+    def get(stage: int) -> tuple[Learner, dict, dict]:
+        if stage not in cache:
+            learner = build_learner(
+                tiny_model, tmp_path_factory.mktemp(f"zero{stage}"), f"learner.zero_stage={stage}"
+            )
+            before = snapshot(learner)
+            cache[stage] = learner, before, learner.train_step(batch)
+        return cache[stage]
+
+    yield get
+    for learner, _, _ in cache.values():
+        learner.close()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_zero_stage_takes_the_same_step(stepped, stage):
+    learner, before, stats = stepped(stage)
+    reference, _, reference_stats = stepped(0)
+    after = snapshot(learner)
+    assert changed(before, after, "policy/") and changed(before, after, "critic/")
+    assert_same_step(stats, reference_stats, after, snapshot(reference), atol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_published_weights_equal_the_training_parameters(stepped, stage):
+    learner = stepped(stage)[0]
+    params = {
+        k.removeprefix("policy/policy."): v
+        for k, v in snapshot(learner).items()
+        if k.startswith("policy/")
+    }
+    exported = learner.export_weights()
+    assert set(exported) == set(params) - {"lm_head.weight"}  # tied to the embedding: sent once
+    manifest, chunks = pack_state_dict(exported, version=1, chunk_bytes=4096)
+    received = unpack_state_dict(manifest, [bytes(c) for c in chunks])
+    for name, tensor in params.items():
+        if name in exported:
+            assert torch.equal(exported[name], tensor), name
+            assert torch.equal(received[name], tensor), name
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_export_directory_loads_with_from_pretrained(stepped, stage, tmp_path):
+    learner = stepped(stage)[0]
+    learner.export(str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    params = {
+        k.removeprefix("policy/policy."): v
+        for k, v in snapshot(learner).items()
+        if k.startswith("policy/")
+    }
+    loaded = dict(model.named_parameters())
+    assert set(loaded) == set(params)
+    assert all(torch.equal(loaded[name], params[name]) for name in params)
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+
+
+def optimizer_state(learner: Learner) -> dict[str, torch.Tensor]:
+    """AdamW's moments and step counts of both engines (the torch optimizer inside ZeRO's)."""
+    out = {}
+    for name, engine in (("policy", learner.policy), ("critic", learner.critic)):
+        for index, state in engine.optimizer.optimizer.state_dict()["state"].items():
+            out |= {f"{name}/{index}/{key}": torch.as_tensor(value) for key, value in state.items()}
+    return out
+
+
+def test_checkpoint_resume_restores_everything(new_learner, tmp_path, tiny_model):
+    batch = on_policy(fixed_batch(), tiny_model)
+    first = new_learner(run_dir=tmp_path / "run")
+    for _ in range(2):  # what Learner.run does around a step, minus the broker
+        first.train_step(batch)
+        first.step += 1
+        first.version += 1
+    first.save_checkpoint()
+    params, moments = snapshot(first), optimizer_state(first)
+    resumed = new_learner(run_dir=tmp_path / "run", resume=True)
+    assert (resumed.step, resumed.version) == (2, 2)
+    assert all(torch.equal(params[k], v) for k, v in snapshot(resumed).items())
+    restored = optimizer_state(resumed)
+    assert set(restored) == set(moments) and all(
+        torch.equal(moments[k], v) for k, v in restored.items()
+    )
+    # The next step continues exactly where the uninterrupted run goes.
+    assert first.train_step(batch)["clip"] == resumed.train_step(batch)["clip"]
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(snapshot(first).values(), snapshot(resumed).values(), strict=True)
+    )
+
+
+def test_resume_without_checkpoint_names_the_directory(new_learner, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint under"):
+        new_learner(run_dir=tmp_path / "empty", resume=True)
+
+
+def grpo_batch(rewards: list[float]) -> list[Segment]:
+    """Four single-segment episodes, two per group, with the given episode rewards."""
+    layouts = ["oooaaaa", "ooaaaaaaa", "oooooaaa", "ooaaaoaa"]
+    return [
+        make_segment(layout, episode=f"e{i}", rewards={len(layout) - 1: r}, group=f"g{i // 2}")
+        for i, (layout, r) in enumerate(zip(layouts, rewards, strict=True))
+    ]
+
+
+def test_grpo_trains_on_group_advantages_without_a_critic(new_learner, tiny_model):
+    learner = new_learner("learner.algorithm=grpo", "actor.group_size=2")
+    assert learner.critic is None
+    before = snapshot(learner)
+    stats = learner.train_step(on_policy(grpo_batch([1.0, 1.0, 0.0, 0.0]), tiny_model))
+    assert not changed(before, snapshot(learner)), "equal rewards within each group carry no signal"
+    stats = learner.train_step(on_policy(grpo_batch([1.0, 0.0, 0.0, 1.0]), tiny_model))
+    assert changed(before, snapshot(learner))
+    assert stats["value_loss"] == 0.0 and stats["grad_norm"] > 0
+
+
+def test_shared_critic_trains_the_value_head_on_the_policy_trunk(new_learner, tiny_model):
+    learner = new_learner("learner.critic=shared")
+    assert learner.critic is None
+    before = snapshot(learner)
+    stats = learner.train_step(on_policy(fixed_batch(), tiny_model))
+    after = snapshot(learner)
+    assert stats["value_loss"] > 0 and math.isfinite(stats["policy_loss"])
+    assert changed(before, after, "policy/head.") and changed(before, after, "policy/policy.")
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
+    assert set(learner.export_weights()) == set(
+        state_dict_for_export(plain)
+    )  # the value head stays home
+
+
+def test_critic_warmup_steps_leave_the_policy_untouched(new_learner, tiny_model):
+    learner = new_learner("learner.critic_warmup_steps=1")
+    before = snapshot(learner)
+    learner.train_step(on_policy(fixed_batch(), tiny_model))
+    after = snapshot(learner)
+    assert not changed(before, after, "policy/") and changed(before, after, "critic/")
