@@ -57,6 +57,7 @@ log = structlog.get_logger()
 M_STEPS = Counter("asyncppo_learner_steps_total", "Learner optimisation steps.")
 M_TOKENS = Counter("asyncppo_learner_tokens_trained_total", "Action tokens trained on.")
 M_TRAJ = Counter("asyncppo_learner_trajectories_trained_total", "Segments trained on.")
+M_REJECTED = Counter("asyncppo_learner_segments_rejected_total", "Segments dropped: token ids outside the vocab.")
 M_IDLE = Counter("asyncppo_learner_idle_seconds_total", "Seconds spent waiting for batches.")
 M_STEP_S = Histogram("asyncppo_learner_step_seconds", "Seconds per training step (excluding the wait).",
                      buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
@@ -75,7 +76,6 @@ GAUGES = {name: Gauge(f"asyncppo_learner_{name}", doc) for name, doc in {
     "explained_variance": "1 - Var(R - V) / Var(R) of the critic.",
     "grad_norm": "Policy gradient norm before clipping.",
     "reward_mean": "Mean episode reward of the last batch.",
-    "tokens_per_second": "Trained action tokens per second of step time (last step).",
 }.items()}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -262,7 +262,17 @@ class Learner:
             msg = decode(msgpack.unpackb(payload, raw=False)) if payload else None
         if msg is None:
             return []
-        return [Segment.from_wire(h, msg.tensors, prefix=f"{i}.") for i, h in enumerate(msg.header["segments"])]
+        segs = [Segment.from_wire(h, msg.tensors, prefix=f"{i}.") for i, h in enumerate(msg.header["segments"])]
+        return self._within_vocab(segs)
+
+    def _within_vocab(self, segs: list[Segment]) -> list[Segment]:
+        """Drop (and count) episodes with token ids the model cannot embed, instead of crashing on them."""
+        vocab = self._policy_module().config.vocab_size
+        bad = {s.episode_id for s in segs if int(s.tokens.max()) >= vocab}
+        if bad:
+            M_REJECTED.inc(sum(s.episode_id in bad for s in segs))
+            log.error("segments with token ids outside the vocabulary dropped", episodes=len(bad), vocab_size=vocab)
+        return [s for s in segs if s.episode_id not in bad]
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
@@ -395,8 +405,8 @@ class Learner:
 
         # Statistics over the global batch (every rank contributes its sums).
         kept = float(sum(int(k.sum()) for k in keeps))
-        w_sum = float(sum(float(w[m].sum()) for w, m in zip(weights, masks, strict=True)))
         ratio = [torch.exp(torch.clamp(p[m] - b[m], -20, 20)) for p, b, m in zip(prox, behavior, masks, strict=True)]
+        w_sum = float(sum(float(r.sum()) for r in ratio))  # the raw pi_prox/mu, before masking or truncation
         ratio_max = max((float(r.max()) for r in ratio if r.numel()), default=0.0)
         ret_all = torch.cat([r[m] for r, m in zip(rets, masks, strict=True)]) if segs else torch.zeros(0)
         val_all = torch.cat([v[m] for v, m in zip(values, masks, strict=True)]) if segs else torch.zeros(0)
@@ -462,7 +472,7 @@ class Learner:
         while not self._stop and (self.lc.total_steps == 0 or self.step < self.lc.total_steps):
             batch = self._get_batch()
             if not batch:
-                break
+                continue  # stopping, or every episode of the batch was dropped
             stats = self.train_step(batch)
             if self.rank == 0:
                 self._record(stats, batch)
