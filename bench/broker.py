@@ -1,0 +1,595 @@
+"""Broker benchmark: every figure against a raw-ZeroMQ baseline measured in the same run.
+
+* Trajectories: actor process -> broker process -> learner process, against raw PUSH/PULL between
+  two processes carrying the same frames (a segment's arrays of 4 KB, 256 KB and 4 MB).
+* Weight fan-out: a 256 MB (and, without --quick, 1 GB) weight set to 1, 4 and 16 downloader
+  processes, against N x one raw single-hop transfer of the same bytes (a bare ROUTER chunk server,
+  the same 64 MiB chunks, the same pipelining window and the same sha256 check per chunk).
+* 256 simulated actors connected at once (threads of one process, one DEALER each): broker RSS,
+  throughput against 4 actors doing the same total work, nothing lost.
+
+Writes docs/results/broker.json and broker.png (broker_quick.* with --quick).
+
+    python bench/broker.py [--quick] [--out docs/results]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script (make bench), sys.path[0] is bench/, where this file would shadow the broker
+# package and tests/ is out of reach: the repository root takes its place.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import multiprocessing  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import signal  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import zmq  # noqa: E402
+
+from common.protocol import encode  # noqa: E402
+from common.transport import send  # noqa: E402
+from common.weights import pack_state_dict  # noqa: E402
+from tests.broker_peers import (  # noqa: E402
+    BYTES_PER_TOKEN,
+    BrokerProcess,
+    Peer,
+    ScriptedActor,
+    ScriptedLearner,
+    fetch_chunks,
+    make_segment,
+    synthetic_weights,
+)
+
+MP = multiprocessing.get_context("spawn")
+LOCAL = "tcp://127.0.0.1"
+MB = 1 << 20
+CHUNK_BYTES = 64 * MB  # the learner's default weight_chunk_bytes
+WINDOW = 4  # requests in flight per client (Client.pipeline's default)
+DOWNLOAD_BYTES = 4 << 30  # every downloader holds a whole copy: at most this much at once
+BATCH, PUBLISH_EVERY = 16, 4  # trajectory runs: capacity (1 + 1) * 4 * 16 = 128 episodes
+SWARM_TOKENS = 64  # ~1 KB segments: the 256-actor run measures messages, not bytes
+
+
+# ------------------------------------------------------------------ trajectories
+def traj_actor(address: str, count: int, num_tokens: int, ready: Any, go: Any, out: Any) -> None:
+    """Send ``count`` one-segment episodes as fast as permits allow, WINDOW TRAJs in flight."""
+    actor = ScriptedActor(address, "bench-actor", num_tokens=num_tokens, timeout_s=60)
+    actor.hello()
+    while actor.sync_weights() < 0:
+        time.sleep(0.05)
+    seg = make_segment(
+        permit="-",
+        actor_id=actor.id,
+        episode_id="-",
+        index=0,
+        last=True,
+        version=actor.version,
+        num_tokens=num_tokens,
+    )
+    arrays, built_for = seg.arrays(), actor.version
+    ready.set()
+    go.wait()
+    start, sent = time.monotonic(), 0
+    while sent < count:
+        permits = actor.permits(min(2 * BATCH, count - sent))
+        if actor.version != built_for:  # the tokens carry the version that "sampled" them
+            arrays["versions"] = np.where(seg.action_mask == 1, actor.version, -1).astype("<i4")
+            built_for = actor.version
+        headers = [
+            {**seg.header(), "permit": p, "traj_id": f"t{sent + i}", "episode_id": f"e{sent + i}"}
+            for i, p in enumerate(permits)
+        ]
+        actor.client.pipeline("TRAJ", headers, window=WINDOW, tensors=[arrays] * len(headers))
+        sent += len(headers)
+    out.put(start)
+
+
+def traj_learner(
+    address: str, count: int, batch: int, publish_every: int, ready: Any, out: Any
+) -> None:
+    """Pull batches until ``count`` segments arrived, publishing tiny weights every few steps."""
+    learner = ScriptedLearner(address, "bench-learner", timeout_s=60)
+    learner.hello(batch, publish_every)
+    learner.publish(0)
+    ready.set()
+    version = step = received = 0
+    while received < count:
+        publishes_after = (step + 1) % publish_every == 0
+        segments = learner.get_batch(version, batch, publishes_after=publishes_after)
+        if segments is None:
+            continue
+        received, step = received + len(segments), step + 1
+        if publishes_after:
+            version += 1
+            learner.publish(version)
+    out.put((time.monotonic(), received))
+
+
+def raw_pull(count: int, ports: Any, out: Any) -> None:
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    ports.put(sock.bind_to_random_port(LOCAL))
+    for _ in range(count):
+        sock.recv_multipart(copy=False)
+    out.put(time.monotonic())
+
+
+def raw_push(port: int, count: int, num_tokens: int, ready: Any, go: Any, out: Any) -> None:
+    """The same frames the actor sends (a TRAJ message), straight to the consumer."""
+    seg = make_segment(
+        permit="-",
+        actor_id="raw",
+        episode_id="-",
+        index=0,
+        last=True,
+        version=0,
+        num_tokens=num_tokens,
+    )
+    frames = encode("TRAJ", seg.header(), seg.arrays())
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(f"{LOCAL}:{port}")
+    ready.set()
+    go.wait()
+    start = time.monotonic()
+    for _ in range(count):
+        send(sock, frames)
+    out.put(start)
+    sock.close(linger=-1)
+    zmq.Context.instance().term()  # returns once everything is delivered (zero-copy frames too)
+
+
+def process(target: Any, *args: Any) -> Any:
+    """A spawned daemon process: an interrupted benchmark leaves none behind."""
+    return MP.Process(target=target, args=args, daemon=True)
+
+
+def run_procs(procs: list, ready: list, go: Any, timeout_s: float = 600) -> None:
+    for p in procs:
+        p.start()
+    for event in ready:
+        if not event.wait(timeout_s):
+            raise TimeoutError("a benchmark process did not get ready")
+    go.set()
+
+
+def broker_trajectories(tmp: Path, num_tokens: int, count: int) -> dict:
+    """One actor process -> a fresh broker -> one learner process; seconds and what arrived."""
+    with BrokerProcess(tmp / f"traj-{num_tokens}.log", {"run.log_format": "json"}) as broker:
+        l_ready, a_ready, go = MP.Event(), MP.Event(), MP.Event()
+        l_out, a_out = MP.Queue(), MP.Queue()
+        procs = [
+            process(traj_learner, broker.address, count, BATCH, PUBLISH_EVERY, l_ready, l_out),
+            process(traj_actor, broker.address, count, num_tokens, a_ready, go, a_out),
+        ]
+        run_procs(procs, [l_ready, a_ready], go)
+        start = a_out.get(timeout=600)
+        end, received = l_out.get(timeout=600)
+        stats = Peer(broker.address, "bench-stats").stats()
+        for p in procs:
+            p.join()
+    return {
+        "seconds": end - start,
+        "received": received,
+        "accepted": stats["accepted"],
+        "dropped_stale": stats["dropped_stale"],
+    }
+
+
+def raw_trajectories(num_tokens: int, count: int) -> float:
+    """The same TRAJ frames over raw PUSH/PULL between two processes; seconds."""
+    ports, r_out, p_out, ready, go = MP.Queue(), MP.Queue(), MP.Queue(), MP.Event(), MP.Event()
+    pull = process(raw_pull, count, ports, r_out)
+    pull.start()
+    push = process(raw_push, ports.get(timeout=60), count, num_tokens, ready, go, p_out)
+    run_procs([push], [ready], go)
+    seconds = r_out.get(timeout=600) - p_out.get(timeout=600)
+    for p in (push, pull):
+        p.join()
+    return seconds
+
+
+def trajectories(tmp: Path, payload: int, count: int, repeats: int) -> dict:
+    """Broker path and raw baseline, alternating, best of ``repeats`` each (a busy CPU slows both)."""
+    num_tokens = payload // BYTES_PER_TOKEN
+    nbytes = num_tokens * BYTES_PER_TOKEN
+    runs, raw = [], []
+    for _ in range(repeats):
+        runs.append(broker_trajectories(tmp, num_tokens, count))
+        raw.append(raw_trajectories(num_tokens, count))
+    best = min(runs, key=lambda r: r["seconds"])
+    broker_s, raw_s = best["seconds"], min(raw)
+    row = {
+        "payload_bytes": nbytes,
+        "segments": count,
+        "repeats": repeats,
+        "broker_seconds": broker_s,
+        "broker_mb_per_s": count * nbytes / broker_s / MB,
+        "broker_segments_per_s": count / broker_s,
+        "raw_seconds": raw_s,
+        "raw_mb_per_s": count * nbytes / raw_s / MB,
+        "raw_segments_per_s": count / raw_s,
+        "ratio_broker_over_raw": raw_s / broker_s,
+        "nothing_lost": all(r["received"] == r["accepted"] == count for r in runs),
+        "dropped_stale": sum(r["dropped_stale"] for r in runs),
+    }
+    print(
+        f"trajectories {nbytes / 1024:6.0f} KB x {count:5d}: broker {row['broker_mb_per_s']:7.1f} MB/s"
+        f" ({row['broker_segments_per_s']:6.0f} seg/s)  raw PUSH/PULL {row['raw_mb_per_s']:7.1f} MB/s"
+        f" ({row['raw_segments_per_s']:6.0f} seg/s)  ratio {row['ratio_broker_over_raw']:.2f}",
+        flush=True,
+    )
+    return row
+
+
+# ------------------------------------------------------------------ weight fan-out
+def fetch_from_broker(address: str, index: int) -> dict:
+    """What an actor does on a new version: the manifest, then every chunk, sha256-checked."""
+    peer = Peer(address, f"downloader-{index}", timeout_s=300)
+    manifest = peer.request("WEIGHTS_INFO").header["manifest"]
+    nbytes = sum(c.nbytes for c in fetch_chunks(peer.client, manifest, window=WINDOW))
+    peer.close()
+    return {"end": time.monotonic(), "nbytes": nbytes}
+
+
+def fetch_raw(address: str, shas: list[str]) -> dict:
+    """The same chunks from a bare ROUTER, same window, same sha256 check after the last one."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(address)
+    chunks = []
+    for i in range(len(shas)):
+        if i >= WINDOW:
+            chunks.append(sock.recv(copy=False))
+        sock.send(str(i).encode())
+    while len(chunks) < len(shas):
+        chunks.append(sock.recv(copy=False))
+    received = time.monotonic()
+    for chunk, sha in zip(chunks, shas, strict=True):
+        if hashlib.sha256(chunk.buffer).hexdigest() != sha:
+            raise ValueError("raw transfer: a chunk's sha256 does not match")
+    sock.close(linger=0)
+    return {"received": received, "end": time.monotonic(), "nbytes": sum(len(c) for c in chunks)}
+
+
+def downloader(tasks: Any, out: Any) -> None:
+    """A pooled downloader process: runs fetches until it gets None."""
+    fetchers = {"broker": fetch_from_broker, "raw": fetch_raw}
+    while (task := tasks.get()) is not None:
+        kind, args = task
+        out.put(fetchers[kind](*args))
+
+
+def raw_chunk_server(nbytes: int, chunk_bytes: int, ready: Any) -> None:
+    """The baseline's sender: chunk i for each request "i", zero-copy."""
+    data = np.frombuffer(np.random.default_rng(0).bytes(nbytes), np.uint8)
+    chunks = [data[i : i + chunk_bytes] for i in range(0, nbytes, chunk_bytes)]
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    port = sock.bind_to_random_port(LOCAL)
+    ready.put((f"{LOCAL}:{port}", [hashlib.sha256(c).hexdigest() for c in chunks]))
+    while True:
+        ident, index = sock.recv_multipart()
+        sock.send_multipart([ident, chunks[int(index)]], copy=False)
+
+
+class Pool:
+    """Downloader processes started once (their start-up is not timed), fed fetch tasks."""
+
+    def __init__(self, size: int):
+        self.tasks = [MP.Queue() for _ in range(size)]
+        self.out = MP.Queue()
+        self.procs = [process(downloader, q, self.out) for q in self.tasks]
+        for p in self.procs:
+            p.start()
+
+    def run(self, kind: str, args_of: Any, n: int, at_once: int) -> tuple[float, list[dict]]:
+        """n fetches, at most ``at_once`` concurrently (in waves); total seconds and the results."""
+        total, results = 0.0, []
+        for wave in range(0, n, at_once):
+            size = min(at_once, n - wave)
+            start = time.monotonic()
+            for i in range(size):
+                self.tasks[i].put((kind, args_of(wave + i)))
+            done = [self.out.get(timeout=900) for _ in range(size)]
+            total += max(r["end"] for r in done) - start
+            results += [{**r, "start": start} for r in done]
+        return total, results
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join()
+
+
+def fanout(tmp: Path, pool: Pool, nbytes: int, actors: tuple[int, ...], repeats: int) -> dict:
+    """Broker and raw chunk server up together; rounds of (one raw hop, the broker to each N),
+    best of ``repeats`` each, so load from elsewhere hits both alike."""
+    ready = MP.Queue()
+    server = process(raw_chunk_server, nbytes, CHUNK_BYTES, ready)
+    server.start()
+    raw_address, shas = ready.get(timeout=300)
+    with BrokerProcess(tmp / f"fanout-{nbytes}.log", {"run.log_format": "json"}) as broker:
+        learner = ScriptedLearner(broker.address, "bench-learner", timeout_s=300)
+        learner.hello(batch_size=1)
+        manifest, chunks = pack_state_dict(synthetic_weights(nbytes), 0, CHUNK_BYTES)
+        start = time.monotonic()
+        learner.send_weights(manifest, chunks)
+        publish_s = time.monotonic() - start
+        del chunks  # the learner's copy: its memory goes to the downloaders
+        learner.close()
+        free = psutil.virtual_memory().available - (1 << 30)
+        at_once = max(1, min(16, DOWNLOAD_BYTES // nbytes, free // nbytes))
+        hops, transfers, best = [], [], dict.fromkeys(actors, float("inf"))
+        for _ in range(repeats):
+            (hop,) = pool.run("raw", lambda i: (raw_address, shas), 1, 1)[1]
+            hops.append(hop["end"] - hop["start"])
+            transfers.append(hop["received"] - hop["start"])
+            for n in actors:
+                seconds, results = pool.run(
+                    "broker", lambda i: (broker.address, i), n, min(n, at_once)
+                )
+                assert all(r["nbytes"] == nbytes for r in results)
+                best[n] = min(best[n], seconds)
+        rss = psutil.Process(broker.proc.pid).memory_info().rss
+    server.kill()
+    server.join()
+    hop_s = min(hops)
+    runs = []
+    for n, seconds in best.items():
+        runs.append(
+            {
+                "actors": n,
+                "concurrent": min(n, at_once),
+                "broker_seconds": seconds,
+                "baseline_seconds": n * hop_s,
+                "ratio_broker_over_baseline": seconds / (n * hop_s),
+            }
+        )
+        print(
+            f"fan-out {nbytes / MB:5.0f} MB to {n:2d} actors ({min(n, at_once):2d} at once): "
+            f"broker {seconds:6.2f} s  {n:2d} x raw hop {n * hop_s:6.2f} s  "
+            f"ratio {seconds / (n * hop_s):.2f}",
+            flush=True,
+        )
+    print(
+        f"publish {nbytes / MB:5.0f} MB learner -> broker {publish_s:.2f} s (raw hop {hop_s:.2f} s)",
+        flush=True,
+    )
+    return {
+        "weights_bytes": nbytes,
+        "chunk_bytes": CHUNK_BYTES,
+        "repeats": repeats,
+        "publish_seconds": publish_s,
+        "raw_hop_seconds": hop_s,
+        "raw_hop_transfer_only_seconds": min(transfers),
+        "broker_rss_bytes_after": rss,
+        "runs": runs,
+    }
+
+
+# ------------------------------------------------------------------ many actors
+def swarm(address: str, actors: int, episodes: int, ready: Any, go: Any, out: Any) -> None:
+    """``actors`` ScriptedActors on threads of this process, each on its own DEALER socket."""
+    connected = threading.Barrier(actors + 1)
+    acked = [0] * actors
+
+    def act(i: int) -> None:
+        actor = ScriptedActor(address, f"sim-{i:03d}", num_tokens=SWARM_TOKENS, timeout_s=120)
+        actor.hello()
+        actor.sync_weights()
+        connected.wait()
+        go.wait()
+        while acked[i] < episodes:
+            for permit in actor.permits(min(2, episodes - acked[i])):
+                actor.play(permit, segments=1)
+                acked[i] += 1
+        actor.close()
+
+    threads = [threading.Thread(target=act, args=(i,)) for i in range(actors)]
+    for t in threads:
+        t.start()
+    connected.wait()
+    ready.set()
+    go.wait()
+    start = time.monotonic()
+    for t in threads:
+        t.join()
+    out.put((start, sum(acked)))
+
+
+def many_actors(tmp: Path, actors: int, total: int) -> dict:
+    batch = min(128, total)
+    # The simulated actors idle from their HELLO until all are connected: a long heartbeat timeout.
+    settings = {"run.log_format": "json", "broker.heartbeat_timeout_s": 300}
+    with BrokerProcess(tmp / f"swarm-{actors}.log", settings) as broker:
+        broker_ps = psutil.Process(broker.proc.pid)
+        idle_rss = broker_ps.memory_info().rss
+        l_ready, s_ready, go = MP.Event(), MP.Event(), MP.Event()
+        l_out, s_out = MP.Queue(), MP.Queue()
+        procs = [
+            process(traj_learner, broker.address, total, batch, 2, l_ready, l_out),
+            process(swarm, broker.address, actors, total // actors, s_ready, go, s_out),
+        ]
+        run_procs(procs, [l_ready, s_ready], go)
+        monitor = Peer(broker.address, "bench-stats", timeout_s=60)
+        connected = monitor.stats()["actors"]
+        peak_rss = broker_ps.memory_info().rss
+        while l_out.empty():
+            if not procs[0].is_alive() and l_out.empty():
+                raise RuntimeError(f"the learner process died; see {broker.log}")
+            peak_rss = max(peak_rss, broker_ps.memory_info().rss)
+            time.sleep(0.1)
+        end, received = l_out.get()
+        start, sent = s_out.get(timeout=600)
+        stats = monitor.stats()
+        for p in procs:
+            p.join()
+    row = {
+        "actors": actors,
+        "connected_at_start": connected,
+        "segments_sent": sent,
+        "accepted": stats["accepted"],
+        "received_by_learner": received,
+        "dropped": stats["dropped_stale"] + stats["dropped_incomplete_episode"],
+        "rejected_invalid": stats["rejected_invalid"],
+        "nothing_lost": sent == stats["accepted"] == received == total,
+        "seconds": end - start,
+        "segments_per_s": total / (end - start),
+        "broker_rss_idle_bytes": idle_rss,
+        "broker_rss_peak_bytes": peak_rss,
+    }
+    print(
+        f"{actors:3d} actors connected ({connected} seen): {row['segments_per_s']:7.0f} seg/s, "
+        f"broker RSS {idle_rss / MB:.0f} -> {peak_rss / MB:.0f} MB, sent {sent} accepted "
+        f"{stats['accepted']} trained {received}",
+        flush=True,
+    )
+    return row
+
+
+# ------------------------------------------------------------------ report
+def size_label(nbytes: int) -> str:
+    return f"{nbytes / MB:.0f} MB" if nbytes >= MB else f"{nbytes / 1024:.0f} KB"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
+    rows = report["trajectories"]
+    x = np.arange(len(rows))
+    ax1.bar(x - 0.2, [r["raw_mb_per_s"] for r in rows], 0.4, label="raw PUSH/PULL")
+    ax1.bar(x + 0.2, [r["broker_mb_per_s"] for r in rows], 0.4, label="actor -> broker -> learner")
+    for i, r in enumerate(rows):
+        ax1.annotate(
+            f"{r['ratio_broker_over_raw']:.2f}x",
+            (i + 0.2, r["broker_mb_per_s"]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax1.set_xticks(x, [size_label(r["payload_bytes"]) for r in rows])
+    ax1.set_yscale("log")
+    ax1.set(title="Trajectory throughput", xlabel="segment payload", ylabel="MB/s")
+    ax1.legend(loc="upper left", fontsize=8)
+    for fan in report["fanout"]:
+        n = [r["actors"] for r in fan["runs"]]
+        label = size_label(fan["weights_bytes"])
+        line = ax2.plot(
+            n, [r["broker_seconds"] for r in fan["runs"]], "o-", label=f"{label} broker"
+        )[0]
+        ax2.plot(
+            n,
+            [r["baseline_seconds"] for r in fan["runs"]],
+            "s--",
+            color=line.get_color(),
+            label=f"{label} N x raw hop",
+        )
+    ax2.set_xscale("log", base=2)
+    ax2.set_xticks([1, 4, 16], ["1", "4", "16"])
+    ax2.set_yscale("log")
+    ax2.set(
+        title="Weight fan-out (sha256-checked)", xlabel="actors", ylabel="seconds until all have it"
+    )
+    ax2.legend(fontsize=8)
+    swarm_rows = report["many_actors"]
+    labels = [f"{r['actors']} actors" for r in swarm_rows]
+    ax3.bar(labels, [r["segments_per_s"] for r in swarm_rows], color="tab:green")
+    ax3.set(title="Many actors at once (1 KB segments)", ylabel="segments/s")
+    for i, r in enumerate(swarm_rows):
+        ax3.annotate(
+            f"RSS {r['broker_rss_peak_bytes'] / MB:.0f} MB",
+            (i, r["segments_per_s"]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer segments, only the 256 MB weight set (about a minute)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so every broker (in its own session) is killed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    q = args.quick
+    counts = {
+        4 << 10: 1024 if q else 4096,
+        256 << 10: 208 if q else 1600,
+        4 << 20: 32 if q else 160,
+    }
+    weights = [256 * MB] if q else [256 * MB, 1024 * MB]
+    episodes = 4 if q else 16
+    repeats = 1 if q else 2
+    report: dict[str, Any] = {
+        "benchmark": "broker",
+        "command": f"python bench/broker.py{' --quick' if q else ''}",
+        "quick": q,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "memory_bytes": psutil.virtual_memory().total,
+            "python": platform.python_version(),
+            "pyzmq": zmq.__version__,
+            "libzmq": zmq.zmq_version(),
+        },
+        "notes": [
+            "Every process shares one machine: the broker, its clients and the baselines compete for the same cores.",
+            "Trajectory ratio = broker throughput / raw PUSH/PULL throughput of the same TRAJ frames; "
+            f"the broker path includes permits, ACKs, validation and batching (batch {BATCH}, "
+            f"publish every {PUBLISH_EVERY} batches, max_staleness 1).",
+            "Fan-out ratio = broker seconds / (N x one raw single hop); both sides fetch 64 MiB chunks "
+            f"{WINDOW} in flight and check every chunk's sha256. Below 1: faster than N direct transfers.",
+            f"Each downloader holds a whole copy, so at most {DOWNLOAD_BYTES >> 30} GiB are downloaded at "
+            "once: the 1 GB set goes to at most 4 downloaders at a time (16 actors = 4 waves of 4).",
+            "Trajectories and fan-out: best of `repeats` rounds (1 for 1 GB), broker and baseline "
+            "alternating, so load from other processes slows both alike.",
+            "Many actors: threads of one process, one DEALER each, 1 KB one-segment episodes, "
+            "learner batch 128 publishing every 2 batches; baseline: 4 actors, same total.",
+        ],
+    }
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        report["trajectories"] = [
+            trajectories(tmp, payload, n, repeats) for payload, n in counts.items()
+        ]
+        pool = Pool(16)
+        try:
+            report["fanout"] = [
+                fanout(tmp, pool, nbytes, (1, 4, 16), repeats if nbytes <= 256 * MB else 1)
+                for nbytes in weights
+            ]
+        finally:
+            pool.close()
+        report["many_actors"] = [many_actors(tmp, n, 256 * episodes) for n in (4, 256)]
+    base, crowd = report["many_actors"]
+    report["many_actors_ratio_256_over_4"] = crowd["segments_per_s"] / base["segments_per_s"]
+    print(f"256 actors vs 4: throughput ratio {report['many_actors_ratio_256_over_4']:.2f}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "broker_quick" if q else "broker"
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out / f"{stem}.png")
+    print(f"wrote {args.out / stem}.json and .png")
+
+
+if __name__ == "__main__":
+    main()

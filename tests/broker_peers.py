@@ -1,0 +1,368 @@
+"""Real ZeroMQ peers of the broker, shared by tests/test_broker.py and bench/broker.py.
+
+The scripted actor and learner talk through ``common.transport.Client``, the code the real roles
+use, but need no model: segments are synthetic yet valid ``common.trajectory.Segment``s and weights
+are random tensors packed by ``common.weights.pack_state_dict``. ``BrokerProcess`` runs the real
+``asyncppo broker`` in its own process, so tests can kill -9 it and start it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from common.config import BrokerConfig, SecurityConfig
+from common.protocol import Message, decode
+from common.trajectory import ARRAYS, Segment
+from common.transport import Client, Endpoint, TransportError, send
+from common.weights import pack_state_dict
+
+if TYPE_CHECKING:
+    import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_MESSAGE_BYTES = BrokerConfig().max_message_bytes
+# Wire bytes per token: one entry of each of the segment's arrays (tokens, mask, log-probs, ...).
+BYTES_PER_TOKEN = sum(dtype.itemsize for dtype in ARRAYS.values())
+
+
+def free_port() -> int:
+    """A TCP port free right now (the broker binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class BrokerProcess:
+    """``asyncppo broker`` in its own process group, on a port that survives a restart.
+
+    ``settings`` are ``--set`` overrides (``{"broker.max_staleness": 0}``); ``security`` is what
+    clients need to reach it, used to wait until it answers.
+    """
+
+    def __init__(
+        self,
+        log: Path,
+        settings: dict[str, Any] | None = None,
+        *,
+        security: SecurityConfig | None = None,
+    ):
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.log = log
+        self.settings = {
+            "broker.bind": self.address,
+            "run.out_dir": str(log.parent),
+            **(settings or {}),
+        }
+        self.security = security or SecurityConfig()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 30.0) -> dict:
+        """Start the broker and wait until it answers STATS; returns those stats."""
+        overrides = [
+            arg for key, value in self.settings.items() for arg in ("--set", f"{key}={value}")
+        ]
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "deploy.cli", "broker", *overrides],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+        probe = Peer(self.address, "probe", security=self.security, timeout_s=1.0)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"broker exited with {self.proc.returncode}: {self.log_tail()}"
+                    )
+                try:
+                    return probe.stats()
+                except TransportError:
+                    continue
+            raise TimeoutError(f"broker at {self.address} did not answer in {timeout_s} s")
+        finally:
+            probe.close()
+
+    def kill(self) -> None:
+        """kill -9: no handler runs and nothing is flushed."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def terminate(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, as an operator or Kubernetes stops it; returns the exit code."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout_s)
+
+    def log_tail(self, nbytes: int = 3000) -> str:
+        return self.log.read_bytes()[-nbytes:].decode(errors="replace")
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+
+    def __enter__(self) -> BrokerProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def make_segment(
+    *,
+    permit: str,
+    actor_id: str,
+    episode_id: str,
+    index: int,
+    last: bool,
+    version: int,
+    num_tokens: int = 64,
+    seed: int = 0,
+) -> Segment:
+    """A valid segment: a prompt token, then turns of 3 action tokens and 1 observation token.
+
+    Action tokens carry ``version`` and a log-prob < 0; the last action token of an episode's final
+    segment carries the reward. A non-final segment is ``truncated`` (a compaction cut).
+    """
+    if num_tokens < 2:
+        raise ValueError(
+            f"num_tokens must be >= 2 (a prompt token and an action), got {num_tokens}"
+        )
+    rng = np.random.default_rng(seed)
+    act = np.arange(num_tokens) % 4 != 0  # position 0 is the prompt, every 4th an observation
+    rewards = np.zeros(num_tokens, np.float32)
+    if last:
+        rewards[np.flatnonzero(act)[-1]] = 1.0
+    return Segment(
+        traj_id=f"{episode_id}.{index}",
+        episode_id=episode_id,
+        segment=index,
+        actor_id=actor_id,
+        task="scripted",
+        group_id=None,
+        permit=permit,
+        last=last,
+        terminated=last,
+        truncated=not last,
+        tokens=rng.integers(0, 32_000, num_tokens, dtype=np.int32),
+        action_mask=act.astype(np.uint8),
+        behavior_logprobs=np.where(act, -rng.random(num_tokens, np.float32), 0).astype(np.float32),
+        versions=np.where(act, version, -1).astype(np.int32),
+        rewards=rewards,
+        metrics={"turns": int(act.sum()) // 3},
+    )
+
+
+def synthetic_weights(nbytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A state dict of exactly ``nbytes`` (a multiple of 8): a float32 matrix and a bias."""
+    import torch
+
+    if nbytes < 8 or nbytes % 8:
+        raise ValueError(f"nbytes must be a positive multiple of 8, got {nbytes}")
+    gen = torch.Generator().manual_seed(seed)
+    numel = nbytes // 4
+    return {
+        "layer.weight": torch.rand(numel - 2, generator=gen),
+        "layer.bias": torch.rand(2, generator=gen),
+    }
+
+
+def fetch_chunks(client: Client, manifest: dict, window: int = 4) -> list[np.ndarray]:
+    """Every chunk of a version, pipelined; each checked against the manifest's sha256."""
+    version = manifest["version"]
+    replies = client.pipeline(
+        "WEIGHTS_GET",
+        [{"version": version, "chunk": i} for i in range(len(manifest["chunks"]))],
+        window=window,
+    )
+    chunks = [reply.tensors["data"] for reply in replies]
+    for i, (chunk, spec) in enumerate(zip(chunks, manifest["chunks"], strict=True)):
+        if hashlib.sha256(chunk).hexdigest() != spec["sha256"]:
+            raise ValueError(f"version {version} chunk {i}: sha256 does not match the manifest")
+    return chunks
+
+
+class Peer:
+    """One broker client (a DEALER through ``common.transport.Client``)."""
+
+    def __init__(
+        self,
+        address: str,
+        client_id: str,
+        *,
+        security: SecurityConfig | None = None,
+        timeout_s: float = 5.0,
+    ):
+        self.id = client_id
+        endpoint = Endpoint(security or SecurityConfig(), MAX_MESSAGE_BYTES)
+        self.client = Client(endpoint, address, client_id, timeout_s=timeout_s)
+
+    def request(
+        self,
+        kind: str,
+        header: dict[str, Any] | None = None,
+        tensors: dict[str, np.ndarray] | None = None,
+        **kw: Any,
+    ) -> Message:
+        return self.client.request(kind, header, tensors, **kw)
+
+    def stats(self) -> dict[str, Any]:
+        return self.request("STATS").header["stats"]
+
+    def send_raw(self, frames: list, timeout_s: float = 5.0) -> Message | None:
+        """Send frames exactly as given (malformed on purpose); the decoded reply, or None."""
+        send(self.client.sock, frames)
+        if not self.client.sock.poll(int(timeout_s * 1000)):
+            self.client.reopen()  # a late reply must not be taken for the next request's
+            return None
+        return decode(self.client.sock.recv_multipart(copy=False))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class ScriptedActor(Peer):
+    """An actor without a model: HELLO, weight download, permits and valid synthetic segments."""
+
+    def __init__(self, address: str, actor_id: str, *, num_tokens: int = 64, **kw: Any):
+        super().__init__(address, actor_id, **kw)
+        self.version = -1
+        self.num_tokens = num_tokens
+        self.episodes = 0
+
+    def hello(self, held: list[str] | tuple[str, ...] = ()) -> int:
+        header = {"role": "actor", "version": self.version, "held_permits": list(held)}
+        return self.request("HELLO", header).header["latest_version"]
+
+    def heartbeat(self) -> int:
+        return self.request("HEARTBEAT", {"version": self.version}).header["latest_version"]
+
+    def sync_weights(self) -> int:
+        """Download the newest version if it is newer than ours, as a real actor does."""
+        reply = self.request("WEIGHTS_INFO")
+        if reply.kind == "WEIGHTS_MANIFEST" and reply.header["manifest"]["version"] > self.version:
+            fetch_chunks(self.client, reply.header["manifest"])
+            self.version = reply.header["manifest"]["version"]
+        return self.version
+
+    def permits(self, n: int) -> list[str]:
+        """Up to n permit ids; on WAIT, sync weights or back off as the broker says, and get none."""
+        reply = self.request("PERMITS_REQ", {"n": n, "version": self.version})
+        if reply.kind == "PERMITS":
+            return [p["id"] for p in reply.header["permits"]]
+        if reply.header["reason"] == "stale_weights":
+            self.sync_weights()
+        else:
+            time.sleep(reply.header["retry_after_s"])
+        return []
+
+    def send_segment(self, permit: str, episode_id: str, index: int, *, last: bool) -> Segment:
+        """Build one segment at our current version and send it; returns it once acknowledged."""
+        seg = make_segment(
+            permit=permit,
+            actor_id=self.id,
+            episode_id=episode_id,
+            index=index,
+            last=last,
+            version=self.version,
+            num_tokens=self.num_tokens,
+            seed=self.episodes * 1000 + index,
+        )
+        self.request("TRAJ", seg.header(), seg.arrays())
+        return seg
+
+    def play(
+        self, permit: str, segments: int = 2, *, finish: bool = True, pause_s: float = 0.0
+    ) -> list[Segment]:
+        """One episode under ``permit``, each segment sent when done (``pause_s`` of "generation"
+        before each); weights are swapped between segments when the broker has newer ones, so an
+        episode may straddle versions. ``finish=False`` leaves it without its ``last`` segment."""
+        episode_id = f"{self.id}.e{self.episodes}"
+        self.episodes += 1
+        sent = []
+        for index in range(segments):
+            time.sleep(pause_s)
+            if self.heartbeat() > self.version:
+                self.sync_weights()
+            last = finish and index == segments - 1
+            sent.append(self.send_segment(permit, episode_id, index, last=last))
+        return sent
+
+
+class ScriptedLearner(Peer):
+    """A learner without a model: HELLO, publishing synthetic weights, pulling batches."""
+
+    def hello(self, batch_size: int, publish_every: int = 1, version: int = 0) -> int:
+        header = {
+            "role": "learner",
+            "version": version,
+            "batch_size": batch_size,
+            "publish_every": publish_every,
+        }
+        return self.request("HELLO", header).header["latest_version"]
+
+    def put_chunks(self, version: int, chunks: list[memoryview], window: int = 4) -> None:
+        self.client.pipeline(
+            "PUBLISH_CHUNK",
+            [{"version": version, "chunk": i} for i in range(len(chunks))],
+            window=window,
+            tensors=[{"data": np.frombuffer(c, dtype=np.uint8)} for c in chunks],
+        )
+
+    def send_weights(self, manifest: dict, chunks: list[memoryview]) -> None:
+        """BEGIN, every chunk, COMMIT: the version is visible to actors from the COMMIT on."""
+        self.request("PUBLISH_BEGIN", {"manifest": manifest})
+        self.put_chunks(manifest["version"], chunks)
+        self.request("PUBLISH_COMMIT", {"version": manifest["version"]})
+
+    def publish(
+        self, version: int, nbytes: int = 4096, chunk_bytes: int = 1024
+    ) -> tuple[dict, list[memoryview]]:
+        """Pack synthetic weights of ``nbytes`` as the learner packs its state dict, and send them."""
+        manifest, chunks = pack_state_dict(synthetic_weights(nbytes, version), version, chunk_bytes)
+        self.send_weights(manifest, chunks)
+        return manifest, chunks
+
+    def get_batch(
+        self, version: int, n: int, *, publishes_after: bool = True
+    ) -> list[Segment] | None:
+        """The next batch of n whole episodes as validated segments, or None when told to WAIT."""
+        header = {"version": version, "n": n, "publishes_after": publishes_after}
+        reply = self.request("GET_BATCH", header)
+        if reply.kind == "WAIT":
+            return None
+        return [
+            Segment.from_wire(h, reply.tensors, prefix=f"{i}.")
+            for i, h in enumerate(reply.header["segments"])
+        ]
+
+
+def hold_permits_until_killed(
+    address: str, actor_id: str, n: int, heartbeat_s: float, report: Any
+) -> None:
+    """Child process: start n episodes (first segment each), report the permits, then keep
+    heartbeating mid-episode until someone kills the process."""
+    actor = ScriptedActor(address, actor_id)
+    actor.hello()
+    actor.sync_weights()
+    permits = actor.permits(n)
+    for permit in permits:
+        actor.send_segment(permit, f"{actor_id}.{permit}", 0, last=False)
+    report.put(permits)
+    while True:
+        actor.heartbeat()
+        time.sleep(heartbeat_s)

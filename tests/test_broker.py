@@ -1,0 +1,520 @@
+"""The broker as it runs in production: a real ``asyncppo broker`` process on a free port, real
+ZeroMQ peers (tests/broker_peers.py), real signals (kill -9, SIGTERM).
+
+Covered: staleness admission asserted on per-token versions, permits of dead actors, the spool
+across a kill -9, every kind of malformed message, CurveZMQ, and weight versioning / fan-out.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+from broker_peers import (
+    ROOT,
+    BrokerProcess,
+    Peer,
+    ScriptedActor,
+    ScriptedLearner,
+    fetch_chunks,
+    hold_permits_until_killed,
+    make_segment,
+    synthetic_weights,
+)
+
+from common.config import SecurityConfig
+from common.protocol import encode
+from common.transport import TransportError
+from common.weights import pack_state_dict
+
+FAST = {"broker.batch_wait_s": 0.5}  # parked GET_BATCHes answer WAIT quickly
+
+
+@pytest.fixture
+def start_broker(tmp_path):
+    """Start brokers (real processes) that are killed at teardown, whatever the test did."""
+    brokers: list[BrokerProcess] = []
+
+    def start(settings: dict | None = None, **kw) -> BrokerProcess:
+        broker = BrokerProcess(
+            tmp_path / f"broker{len(brokers)}.log", {**FAST, **(settings or {})}, **kw
+        )
+        brokers.append(broker)
+        broker.start()
+        return broker
+
+    yield start
+    for broker in brokers:
+        broker.close()
+
+
+def wait_until(cond, timeout_s: float, what: str, every_s: float = 0.02) -> float:
+    """Poll ``cond`` until true; returns when (monotonic) it first was."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return time.monotonic()
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def wait_until_permits(actor: ScriptedActor, n: int, timeout_s: float = 10.0) -> list[str]:
+    """Ask until ``n`` permits are held (the broker may answer WAIT first)."""
+    permits: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while len(permits) < n:
+        assert time.monotonic() < deadline, f"{actor.id} got {len(permits)} of {n} permits"
+        permits += actor.permits(n - len(permits))
+    return permits
+
+
+def assert_whole_episodes(segments) -> dict[str, list]:
+    """Every episode in a batch has contiguous segments 0..k-1 and ends with its ``last`` one."""
+    episodes = collections.defaultdict(list)
+    for seg in segments:
+        episodes[seg.episode_id].append(seg)
+    for episode_id, segs in episodes.items():
+        assert [s.segment for s in segs] == list(range(len(segs))), episode_id
+        assert segs[-1].last and not any(s.last for s in segs[:-1]), episode_id
+    return episodes
+
+
+# ------------------------------------------------------------------ 1. admission / staleness
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_staleness_bound_holds_on_every_trained_token(start_broker, max_staleness):
+    batch_size, steps = 4, 6
+    capacity = (max_staleness + 1) * batch_size  # publish_every = 1
+    broker = start_broker({"broker.max_staleness": max_staleness})
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.hello(batch_size)
+    learner.publish(0)
+    stop = threading.Event()
+    seen = {"in_flight": 0, "in_flight_or_queued": 0}
+
+    def act(actor_id: str, n: int, pause_s: float) -> None:  # as fast as the broker lets it
+        actor = ScriptedActor(broker.address, actor_id)
+        actor.hello()
+        while not stop.is_set():
+            for permit in actor.permits(n):
+                actor.play(permit, segments=2, pause_s=pause_s)
+        actor.close()
+
+    def watch() -> None:
+        monitor = Peer(broker.address, "monitor")
+        while not stop.is_set():
+            s = monitor.stats()
+            seen["in_flight"] = max(seen["in_flight"], s["permits_in_use"])
+            both = s["permits_in_use"] + s["queued_episodes"]
+            seen["in_flight_or_queued"] = max(seen["in_flight_or_queued"], both)
+            time.sleep(0.01)
+        monitor.close()
+
+    # The slow actor's episodes outlast a learner step: the broker must wait for them (rule 2).
+    actors = [("fast-0", 2, 0.0), ("fast-1", 2, 0.0), ("slow", 1, 0.25)]
+    threads = [threading.Thread(target=act, args=a) for a in actors]
+    threads.append(threading.Thread(target=watch))
+    for t in threads:
+        t.start()
+    trained = []  # (learner version, segment)
+    try:
+        for version in range(steps):
+            while (batch := learner.get_batch(version, batch_size)) is None:
+                pass
+            assert len(assert_whole_episodes(batch)) == batch_size
+            trained += [(version, seg) for seg in batch]
+            time.sleep(0.3)  # a slow learner: actors run ahead as far as admission allows
+            learner.publish(version + 1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    staleness = [v - int(seg.versions[seg.action_mask == 1].min()) for v, seg in trained]
+    assert max(staleness) == max_staleness  # the bound holds, and with 1 it is really used
+    if max_staleness == 0:  # synchronous: every trained token is of the learner's current version
+        assert all((seg.versions[seg.action_mask == 1] == v).all() for v, seg in trained)
+    assert 0 < seen["in_flight"] <= capacity
+    assert seen["in_flight_or_queued"] <= capacity
+    stats = learner.stats()
+    assert stats["dropped_stale"] == 0  # enforced before generation, not by dropping afterwards
+    assert stats["rejected_invalid"] == 0
+
+
+# ---------------------------------------------------------------- 2. actors that die or go silent
+def test_permits_of_dead_and_silent_actors_are_reclaimed(start_broker):
+    timeout_s = 2.0  # the doomed actor heartbeats every timeout_s / 10: a wide margin on a busy CPU
+    broker = start_broker({"broker.max_staleness": 0, "broker.heartbeat_timeout_s": timeout_s})
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.hello(batch_size=4)  # capacity 4 episodes
+    learner.publish(0)
+    ctx = multiprocessing.get_context("spawn")
+    report = ctx.Queue()
+    doomed = ctx.Process(
+        target=hold_permits_until_killed,
+        args=(broker.address, "doomed", 2, timeout_s / 10, report),
+    )
+    doomed.start()
+    silent = ScriptedActor(broker.address, "silent")
+    try:
+        assert len(report.get(timeout=30)) == 2
+        silent.hello()
+        silent.sync_weights()
+        held = silent.permits(2)
+        for permit in held:
+            silent.send_segment(permit, f"silent.{permit}", 0, last=False)
+        went_silent = time.monotonic()
+        healthy = ScriptedActor(broker.address, "healthy")
+        healthy.hello()
+        healthy.sync_weights()
+        assert healthy.permits(4) == []  # capacity is held by the two unfinished actors
+        stats = learner.stats()
+        assert stats["permits_in_use"] == 4 and stats["partial_episodes"] == 4
+
+        reclaimed = wait_until(
+            lambda: learner.stats()["permits_in_use"] == 2, 5, "silent's permits"
+        )
+        assert reclaimed - went_silent >= timeout_s - 0.1
+        time.sleep(timeout_s)  # the doomed actor still heartbeats: its permits stay
+        assert learner.stats()["permits_in_use"] == 2
+        os.kill(doomed.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        gone = wait_until(lambda: learner.stats()["permits_in_use"] == 0, 5, "doomed's permits")
+        assert gone - killed <= timeout_s + 2.0
+    finally:
+        if doomed.is_alive():
+            doomed.kill()
+        doomed.join()
+    stats = learner.stats()
+    assert stats["permits_reclaimed"] == 4 and stats["dropped_incomplete_episode"] == 4
+    assert stats["partial_episodes"] == 0 and stats["queue_bytes"] == 0
+
+    # The silent actor comes back: it must say HELLO again, and its old permit is gone for good.
+    with pytest.raises(TransportError) as exc:
+        silent.send_segment(held[0], f"silent.{held[0]}", 1, last=True)
+    assert exc.value.code == "unknown_actor"
+    silent.hello(held=held)
+    with pytest.raises(TransportError) as exc:
+        silent.send_segment(held[0], f"silent.{held[0]}", 1, last=True)
+    assert exc.value.code == "unknown_permit"
+
+    healthy.hello()  # it was silent too, while the test waited
+    permits = wait_until_permits(healthy, 4)
+    sent = [seg for permit in permits for seg in healthy.play(permit, segments=3)]
+    batch = learner.get_batch(0, 4)
+    assert batch is not None
+    assert_whole_episodes(batch)
+    assert {seg.traj_id for seg in batch} == {seg.traj_id for seg in sent}
+    assert {seg.actor_id for seg in batch} == {"healthy"}
+
+
+# ------------------------------------------------------------------------------- 3. the spool
+def test_spool_survives_kill_9(start_broker, tmp_path):
+    spool = tmp_path / "spool"
+    broker = start_broker({"broker.spool_dir": str(spool)})
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.hello(batch_size=4)
+    manifest, chunks = learner.publish(0, nbytes=1 << 20, chunk_bytes=256 << 10)
+    actor = ScriptedActor(broker.address, "actor")
+    actor.hello()
+    actor.sync_weights()
+    permits = wait_until_permits(actor, 4)
+    acked = [seg for permit in permits[:3] for seg in actor.play(permit, segments=2)]
+    unfinished = actor.play(permits[3], segments=1, finish=False)
+    acked += unfinished
+
+    broker.kill()
+    restored = broker.start()
+    assert restored["policy_version"] == 0
+    assert restored["queued_episodes"] == 3 and restored["partial_episodes"] == 1
+
+    late = ScriptedActor(broker.address, "late")
+    info = late.request("WEIGHTS_INFO")
+    assert info.header["manifest"] == manifest  # the same version, chunk for chunk (sha256)
+    fetched = fetch_chunks(late.client, info.header["manifest"])
+    assert [bytes(c) for c in fetched] == [bytes(c) for c in chunks]
+
+    # The actor's permits survived: a resent segment is a known duplicate, the open episode can end.
+    assert actor.request("TRAJ", acked[0].header(), acked[0].arrays()).header.get("duplicate")
+    episode = unfinished[0].episode_id
+    acked.append(actor.send_segment(permits[3], episode, 1, last=True))
+    learner.hello(batch_size=4)
+    batch = learner.get_batch(0, 4)
+    assert batch is not None
+    assert_whole_episodes(batch)
+    assert sorted(seg.traj_id for seg in batch) == sorted(seg.traj_id for seg in acked)
+    assert not list((spool / "segments").iterdir())  # handed out, so no longer spooled
+
+
+def test_sigterm_stops_the_broker_while_a_learner_waits(start_broker, tmp_path):
+    broker = start_broker({"broker.spool_dir": str(tmp_path / "spool"), "broker.batch_wait_s": 30})
+    learner = ScriptedLearner(broker.address, "learner", timeout_s=1.0)
+    learner.hello(batch_size=4)
+    learner.publish(0)
+    with pytest.raises(TransportError):  # parked: nothing to train on yet
+        learner.get_batch(0, 4)
+    started = time.monotonic()
+    assert broker.terminate() == 0
+    assert time.monotonic() - started < 5
+    assert (tmp_path / "spool" / "state.json").exists()
+
+
+# -------------------------------------------------------------------------------- 4. bad input
+class Feed:
+    """A registered actor with one open episode: each test sends a broken segment, then a valid one
+    (which is accepted only if the rejection changed nothing)."""
+
+    def __init__(self, address: str):
+        self.learner = ScriptedLearner(address, "learner")
+        self.learner.hello(batch_size=1)
+        self.learner.publish(0)
+        self.actor = ScriptedActor(address, "actor")
+        self.actor.hello()
+        self.actor.sync_weights()
+        (self.permit,) = wait_until_permits(self.actor, 1)
+        self.next_index = 0
+
+    def segment(self, num_tokens: int = 16):
+        return make_segment(
+            permit=self.permit,
+            actor_id=self.actor.id,
+            episode_id="bad-input",
+            index=self.next_index,
+            last=False,
+            version=0,
+            num_tokens=num_tokens,
+        )
+
+    def frames(self, seg, tensors=None, **header) -> list[bytes]:
+        head = {**seg.header(), "id": self.actor.id, "req": 1, **header}
+        return [bytes(f) for f in encode("TRAJ", head, tensors or seg.arrays())]
+
+    def send_valid(self) -> None:
+        seg = self.segment()
+        assert self.actor.request("TRAJ", seg.header(), seg.arrays()).kind == "ACK"
+        self.next_index += 1
+
+
+def repack(frames: list[bytes], edit) -> list[bytes]:
+    """The frames with their msgpack header edited in place by ``edit``."""
+    head = msgpack.unpackb(frames[0])
+    edit(head)
+    return [msgpack.packb(head), *frames[1:]]
+
+
+def poke(seg, name: str, index: int, value):
+    """The segment with one entry of one array changed."""
+    getattr(seg, name)[index] = value
+    return seg
+
+
+ACTION, OBSERVATION = 1, 4  # make_segment: token 0 is the prompt, every 4th an observation
+BAD_INPUT = {  # case -> (frames built from a valid segment, expected code, expected field)
+    "garbage bytes": (lambda f, s: [b"\xc1\x00garbage"], "bad_header", "frame0"),
+    "wrong proto": (lambda f, s: f.frames(s, proto=2), "bad_proto", "proto"),
+    "unknown kind": (lambda f, s: f.frames(s, kind="SUBMIT"), "unknown_kind", "kind"),
+    "missing field": (
+        lambda f, s: repack(f.frames(s), lambda h: h.pop("traj_id")),
+        "missing_field",
+        "traj_id",
+    ),
+    "wrong type": (lambda f, s: f.frames(s, segment="0"), "bad_type", "segment"),
+    "frame count mismatch": (lambda f, s: f.frames(s)[:-1], "frame_count", "tensors"),
+    "size mismatch": (
+        lambda f, s: repack(f.frames(s), lambda h: h["tensors"]["tokens"].update(shape=[17])),
+        "size_mismatch",
+        "tensors.tokens",
+    ),
+    "dtype not on the wire": (
+        lambda f, s: repack(f.frames(s), lambda h: h["tensors"]["tokens"].update(dtype=">f8")),
+        "bad_dtype",
+        "tensors.tokens.dtype",
+    ),
+    "float tokens": (
+        lambda f, s: f.frames(s, tensors={**s.arrays(), "tokens": s.tokens.astype("<f4")}),
+        "bad_dtype",
+        "tokens",
+    ),
+    "NaN log-probs": (
+        lambda f, s: f.frames(poke(s, "behavior_logprobs", ACTION, np.nan)),
+        "non_finite",
+        "behavior_logprobs",
+    ),
+    "reward on an observation token": (
+        lambda f, s: f.frames(poke(s, "rewards", OBSERVATION, 1.0)),
+        "bad_value",
+        "rewards",
+    ),
+    "future version": (  # the broker's newest version is 0
+        lambda f, s: f.frames(poke(s, "versions", ACTION, 1)),
+        "future_version",
+        "versions",
+    ),
+    "unknown permit": (
+        lambda f, s: f.frames(s, permit="no-such-permit"),
+        "unknown_permit",
+        "permit",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_input_broker(tmp_path_factory):
+    log = tmp_path_factory.mktemp("bad-input") / "broker.log"
+    with BrokerProcess(log, {**FAST, "broker.max_message_bytes": 1 << 20}) as broker:
+        yield broker, Feed(broker.address)
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_malformed_message_is_rejected_counted_and_survived(bad_input_broker, case):
+    broker, feed = bad_input_broker
+    build, code, field = BAD_INPUT[case]
+    before = feed.learner.stats()
+    reply = feed.actor.send_raw(build(feed, feed.segment()))
+    assert reply is not None and reply.kind == "ERROR", reply
+    assert (reply.header["code"], reply.header["field"]) == (code, field), reply.header
+    after = feed.learner.stats()
+    assert after.get(f"rejected_{code}", 0) == before.get(f"rejected_{code}", 0) + 1
+    assert after["rejected_invalid"] == before["rejected_invalid"] + 1
+    assert after["accepted"] == before["accepted"]
+    feed.send_valid()  # the broker still serves, and the rejection changed nothing
+    assert broker.proc.poll() is None
+
+
+def test_oversized_frame_is_dropped_by_zeromq(bad_input_broker):
+    broker, feed = bad_input_broker
+    before = feed.learner.stats()
+    seg = feed.segment(num_tokens=300_000)  # its tokens frame alone is 1.2 MB > 1 MiB
+    assert feed.actor.send_raw(feed.frames(seg), timeout_s=1.0) is None  # no reply at all
+    after = feed.learner.stats()
+    assert after["received"] == before["received"]  # it never reached the broker's code
+    feed.send_valid()
+    assert broker.proc.poll() is None
+
+
+def test_oversized_message_of_small_frames_is_rejected(bad_input_broker):
+    """ZMQ_MAXMSGSIZE limits each frame; the decoder limits the whole message."""
+    broker, feed = bad_input_broker
+    before = feed.learner.stats()
+    seg = feed.segment(num_tokens=200_000)  # every frame < 1 MiB, 3.4 MB in all
+    reply = feed.actor.send_raw(feed.frames(seg))
+    assert reply is not None and reply.kind == "ERROR", reply
+    assert (reply.header["code"], reply.header["field"]) == ("too_large", "frames")
+    after = feed.learner.stats()
+    assert after["rejected_too_large"] == before.get("rejected_too_large", 0) + 1
+    assert after["received"] == before["received"]
+    feed.send_valid()
+    assert broker.proc.poll() is None
+
+
+# ------------------------------------------------------------------------------------ 5. Curve
+def generate_keys(out: Path, name: str) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "keys", "generate", "--out", str(out), "--name", name],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+
+
+def test_curve_admits_only_authorized_keys(start_broker, tmp_path):
+    keys, allowed = tmp_path / "keys", tmp_path / "authorized"
+    for name in ("broker", "trainer", "intruder"):
+        generate_keys(keys, name)
+    allowed.mkdir()
+    (allowed / "trainer.key").write_bytes((keys / "trainer.key").read_bytes())
+
+    def client_security(name: str) -> SecurityConfig:
+        return SecurityConfig(
+            curve=True,
+            server_public_key_file=str(keys / "broker.key"),
+            client_secret_key_file=str(keys / f"{name}.key_secret"),
+        )
+
+    trusted = client_security("trainer")
+    broker = start_broker(
+        {
+            "security.curve": True,
+            "security.server_secret_key_file": str(keys / "broker.key_secret"),
+            "security.authorized_keys_dir": str(allowed),
+        },
+        security=trusted,
+    )
+    learner = ScriptedLearner(broker.address, "learner", security=trusted)
+    learner.hello(batch_size=2)
+    learner.publish(0)
+    actor = ScriptedActor(broker.address, "actor", security=trusted)
+    actor.hello()
+    actor.sync_weights()
+    (permit,) = wait_until_permits(actor, 1)
+    actor.play(permit, segments=1)
+
+    for name, security in (("plain", SecurityConfig()), ("intruder", client_security("intruder"))):
+        outsider = ScriptedActor(broker.address, name, security=security, timeout_s=1.0)
+        outsider.version = 0
+        for attempt in (
+            outsider.hello,
+            lambda o=outsider: o.send_segment(permit, "forged", 1, last=True),
+        ):
+            with pytest.raises(TransportError) as exc:
+                attempt()
+            assert exc.value.code == "timeout"  # no reply at all, not even an ERROR
+        outsider.close()
+    stats = learner.stats()
+    assert stats["received"] == 1 and stats["accepted"] == 1  # only the trusted actor's segment
+    assert stats["actors"] == 1 and stats["rejected_invalid"] == 0
+
+
+# ----------------------------------------------------------------------------- 6. weight fan-out
+def test_weight_versions_visible_on_commit_never_backwards_old_freed(start_broker):
+    broker = start_broker()
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.hello(batch_size=2)
+    manifest0, chunks0 = learner.publish(0, nbytes=64 << 10, chunk_bytes=16 << 10)
+
+    late = ScriptedActor(broker.address, "late")  # joins after the commit: gets it at once
+    assert late.hello() == 0
+    assert late.sync_weights() == 0
+    assert late.request("WEIGHTS_INFO").header["manifest"] == manifest0
+
+    manifest1, chunks1 = pack_state_dict(synthetic_weights(64 << 10, seed=1), 1, 16 << 10)
+    learner.request("PUBLISH_BEGIN", {"manifest": manifest1})
+    learner.put_chunks(1, chunks1[:-1])
+    with pytest.raises(TransportError) as exc:
+        learner.request("PUBLISH_COMMIT", {"version": 1})
+    assert exc.value.code == "incomplete"
+    learner.put_chunks(1, chunks1)  # every chunk in, still no COMMIT
+    assert late.request("WEIGHTS_INFO").header["manifest"]["version"] == 0
+    assert late.heartbeat() == 0 and learner.stats()["policy_version"] == 0
+    with pytest.raises(TransportError) as exc:
+        late.request("WEIGHTS_GET", {"version": 1, "chunk": 0})
+    assert exc.value.code == "version_gone"
+    learner.request("PUBLISH_COMMIT", {"version": 1})
+    assert late.heartbeat() == 1 and late.sync_weights() == 1
+
+    for old in (manifest1, manifest0):  # a restarted learner must not roll the actors back
+        with pytest.raises(TransportError) as exc:
+            learner.request("PUBLISH_BEGIN", {"manifest": old})
+        assert exc.value.code == "version_backwards"
+    assert learner.stats()["rejected_version_backwards"] == 2
+
+    learner.publish(2)
+    manifest3, chunks3 = learner.publish(3)
+    for gone in (0, 1):  # only the newest and the one before it are kept
+        with pytest.raises(TransportError) as exc:
+            late.request("WEIGHTS_GET", {"version": gone, "chunk": 0})
+        assert exc.value.code == "version_gone"
+    assert late.request("WEIGHTS_GET", {"version": 2, "chunk": 0}).kind == "WEIGHTS_CHUNK"
+    newcomer = ScriptedActor(broker.address, "newcomer")
+    assert newcomer.hello() == 3
+    info = newcomer.request("WEIGHTS_INFO").header["manifest"]
+    assert info == manifest3
+    assert [bytes(c) for c in fetch_chunks(newcomer.client, info)] == [bytes(c) for c in chunks3]
