@@ -58,7 +58,12 @@ class BrokerConfig:
 class ActorConfig:
     broker: str = param("tcp://127.0.0.1:5555", "Broker endpoint this actor connects to.")
     id: str | None = param(None, "Actor id; default: hostname-pid (env ASYNCPPO_ACTOR_ID also sets it).")
-    engine: str = param("torch", "Inference engine: torch (CPU) or sglang (GPU).")
+    engine: str = param(
+        "torch", "Inference engine: torch (CPU), sglang (GPU) or simulated (no model: random tokens, long-tailed latency)."
+    )
+    engine_dtype: str = param(
+        "auto", "Engine weight dtype: auto (the engine's default: torch float32, sglang bfloat16), float32 or bfloat16."
+    )
     env: str = param("digits", "Environment name (see actors.envs.ENV_NAMES).")
     env_kwargs: dict = param({}, "Keyword arguments for the environment constructor.")
     permits_per_request: int = param(4, "Episodes asked for at once; they are generated as one batch.")
@@ -144,7 +149,8 @@ class Config:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "actor.engine": ("torch", "sglang"),
+    "actor.engine": ("torch", "sglang", "simulated"),
+    "actor.engine_dtype": ("auto", "float32", "bfloat16"),
     "learner.algorithm": ("ppo", "grpo"),
     "learner.correction": ("icepop", "tis", "none"),
     "learner.critic": ("separate", "shared"),

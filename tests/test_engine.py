@@ -6,6 +6,7 @@ inference so that seeds are honoured.
 """
 
 import importlib.util
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -270,9 +271,21 @@ def test_torch_engine_refuses_prompts_past_the_context(tmp_path: Path) -> None:
 
 def test_unknown_engine_lists_the_known_ones(tmp_path: Path) -> None:
     with pytest.raises(
-        ValueError, match="'vllm' is unknown; choose one of \\('torch', 'sglang'\\)"
+        ValueError, match="'vllm' is unknown; choose one of \\('torch', 'sglang', 'simulated'\\)"
     ):
         make_engine("vllm", str(tmp_path))
+
+
+def test_simulated_engine_reports_the_exact_uniform_logprob(tiny_model) -> None:
+    """The pipeline-only engine still obeys the contract: exact log-probs, lengths, versions."""
+    engine = make_engine("simulated", str(tiny_model), median_token_latency_s=1e-4, latency_sigma=0.5, seed=1)
+    engine.load_weights(3, {})
+    gens = engine.generate([[1, 2, 3], [4]], SamplingParams(max_new_tokens=5))
+    vocab = engine.vocab_size
+    for g in gens:
+        assert 1 <= len(g.token_ids) <= 5 and all(0 <= t < vocab for t in g.token_ids)
+        assert g.logprobs == pytest.approx([-math.log(vocab)] * len(g.token_ids))
+        assert g.versions == [3] * len(g.token_ids)
 
 
 @pytest.mark.skipif(HAS_SGLANG, reason="sglang is installed")

@@ -1,0 +1,671 @@
+"""Experiments that reproduce the seed claims at small scale, on real `asyncppo up` runs.
+
+Each experiment starts broker, learner and actors as real processes (one `asyncppo up` per
+configuration and seed, its own port and run dir under runs/experiments/), reads the learner's
+step log (`learner_steps.jsonl`) and the run summary, and writes JSON and a PNG plot to
+docs/results/ (`<name>.json`/`.png`; `<name>_quick.*` for --quick).
+
+    python bench/experiments.py ppo_vs_grpo [--quick] [--seeds N]   # critic PPO vs GRPO, maze + digits
+    python bench/experiments.py icepop      [--quick] [--seeds N]   # bf16 sampling, fp32 training
+    python bench/experiments.py staleness   [--quick] [--seeds N]   # max_staleness 0..8, icepop vs none
+    python bench/experiments.py async       [--quick] [--seeds N]   # max_staleness 4 vs 0, torch + simulated
+
+A Makefile target would be `for e in ppo_vs_grpo icepop staleness async; do $(PY)
+bench/experiments.py $$e; done`. --quick finishes in a few minutes per experiment (what the slow
+tests run); the full settings take tens of minutes on 2 CPU cores. --max-wall caps every run.
+
+Measures, per run (from the step log):
+* reward / success rate per step against cumulative episodes trained (environment samples);
+* final reward = mean episode reward over the last quarter of the episodes trained;
+* trained tokens/s = Σ tokens of steps 2..n / (time_n − time_1) (the first step's wait is excluded);
+* learner idle fraction = Σ (time_i − time_{i−1} − step_seconds_i) / (time_n − time_1): the share of
+  wall time the learner was not inside a training step (waiting for a batch, plus publishing,
+  which takes milliseconds for the tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "runs" / "experiments"
+MODEL = "runs/models/tiny"  # the built-in random-init model: the same starting point for every run
+
+BASE = {
+    "model.path": MODEL,
+    "model.builtin": "tiny",
+    "learner.zero_stage": 1,
+    "learner.checkpoint_every": 0,
+    "run.metrics_base_port": 0,
+    "run.log_format": "json",
+}
+DIGITS = {
+    "actor.env": "digits",
+    "actor.permits_per_request": 8,
+    "learner.batch_size": 32,
+    "learner.lr": 3e-3,
+    "learner.critic_lr": 3e-3,
+    "learner.ppo_epochs": 2,
+}
+
+
+def maze(max_turns: int) -> dict[str, Any]:
+    """2..max_turns turns (log-uniform), sparse 0/1 reward, compaction past 384 context tokens.
+
+    The spec's 50 turns cost ~45 s per learner step on 2 cores (167 segments for 16 episodes),
+    so the settings here use shorter budgets and say so in their JSON.
+    """
+    return {
+        "actor.env": "maze",
+        "actor.env_kwargs": {"max_turns": max_turns},
+        "actor.max_turns": max_turns,
+        "actor.context_budget_tokens": 384,
+        "actor.permits_per_request": 4,
+        "learner.batch_size": 16,
+        "learner.lr": 3e-3,
+        "learner.critic_lr": 3e-3,
+        "learner.ppo_epochs": 1,
+    }
+
+
+@dataclass(frozen=True)
+class Run:
+    """One `asyncppo up` invocation: a labelled configuration and seed."""
+
+    name: str
+    labels: dict[str, Any]
+    overrides: dict[str, Any]
+    seed: int = 0
+    actors: int = 2
+    wall_s: float = 120.0
+
+
+@dataclass
+class Result:
+    run: Run
+    summary: dict[str, Any]
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    returncode: int = 0
+
+
+# ---------------------------------------------------------------------------- metrics (pure)
+def cumulative_episodes(steps: list[dict]) -> list[int]:
+    """x axis of the sample-efficiency curves: episodes trained after each step."""
+    return np.cumsum([s["episodes"] for s in steps]).tolist()
+
+
+def final_reward(steps: list[dict], fraction: float = 0.25) -> float:
+    """Mean episode reward over the last `fraction` of all episodes trained."""
+    rewards = [r for s in steps for r in s["episode_rewards"]]
+    if not rewards:
+        return float("nan")
+    k = max(1, round(len(rewards) * fraction))
+    return float(np.mean(rewards[-k:]))
+
+
+def pipeline_rates(steps: list[dict]) -> dict[str, float]:
+    """Trained tokens/s and learner idle fraction between the first and the last step.
+
+    tokens/s = Σ_{i≥2} tokens_i / (t_n − t_1);  idle = Σ_{i≥2} (t_i − t_{i−1} − step_seconds_i) / (t_n − t_1)
+    """
+    if len(steps) < 2:
+        return {
+            "tokens_per_second": float("nan"),
+            "idle_fraction": float("nan"),
+            "episodes_per_second": float("nan"),
+        }
+    span = steps[-1]["time"] - steps[0]["time"]
+    idle = sum(
+        b["time"] - a["time"] - b["step_seconds"] for a, b in zip(steps, steps[1:], strict=False)
+    )
+    return {
+        "tokens_per_second": sum(s["tokens"] for s in steps[1:]) / span,
+        "episodes_per_second": sum(s["episodes"] for s in steps[1:]) / span,
+        "idle_fraction": max(0.0, idle) / span,
+    }
+
+
+def mean_std(values: list[float]) -> dict[str, float]:
+    arr = np.asarray([v for v in values if np.isfinite(v)], dtype=float)
+    if arr.size == 0:
+        return {"mean": float("nan"), "std": float("nan"), "n": 0}
+    return {"mean": float(arr.mean()), "std": float(arr.std()), "n": int(arr.size)}
+
+
+def smooth(ys: list[float], window: int = 3) -> np.ndarray:
+    """Trailing moving average (the first points average what exists so far)."""
+    ys = np.asarray(ys, dtype=float)
+    csum = np.cumsum(np.insert(ys, 0, 0.0))
+    idx = np.arange(1, len(ys) + 1)
+    lo = np.maximum(idx - window, 0)
+    return (csum[idx] - csum[lo]) / (idx - lo)
+
+
+def run_record(res: Result) -> dict[str, Any]:
+    """What the JSON keeps of a run: configuration, summary, per-step series and derived metrics."""
+    steps = res.steps
+    series = {
+        key: [s[key] for s in steps]
+        for key in (
+            "reward_mean",
+            "tokens",
+            "icepop_kept_fraction",
+            "importance_weight_mean",
+            "importance_weight_max",
+            "max_staleness",
+            "step_seconds",
+            "time",
+            "explained_variance",
+            "approx_kl",
+        )
+    }
+    staleness = np.zeros(max((len(s["staleness_histogram"]) for s in steps), default=0), dtype=int)
+    for s in steps:
+        staleness[: len(s["staleness_histogram"])] += s["staleness_histogram"]
+    return {
+        "name": res.run.name,
+        "labels": res.run.labels,
+        "seed": res.run.seed,
+        "actors": res.run.actors,
+        "overrides": res.run.overrides,
+        "returncode": res.returncode,
+        "learner_steps": len(steps),
+        "summary": res.summary,
+        "episodes": cumulative_episodes(steps),
+        "series": series,
+        "staleness_histogram": staleness.tolist(),
+        "final_reward": final_reward(steps),
+        **pipeline_rates(steps),
+    }
+
+
+# ------------------------------------------------------------------------------ running
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def override_args(overrides: dict[str, Any]) -> list[str]:
+    """`--set key=value` pairs; values as JSON, which `--set` parses as YAML (a superset)."""
+    return [a for k, v in overrides.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+
+
+def launch(run: Run, experiment: str) -> Result:
+    """One real `asyncppo up` in a fresh run dir on a free port; returns its summary and step log."""
+    run_dir = RUNS / experiment / run.name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    overrides = {
+        **BASE,
+        **run.overrides,
+        "broker.bind": endpoint,
+        "actor.broker": endpoint,
+        "learner.broker": endpoint,
+        "actor.seed": run.seed,
+        "learner.seed": run.seed,
+        "run.out_dir": str(run_dir.relative_to(ROOT)),
+        "run.max_wall_s": run.wall_s,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "up",
+        "--actors",
+        str(run.actors),
+        "--summary",
+        str(run_dir / "summary.json"),
+        *override_args(overrides),
+    ]
+    # one thread per process: on 2 cores, torch's default thread pools oversubscribe
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    t0 = time.monotonic()
+    with open(run_dir / "up.log", "wb") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            # the cap plus time for startup and an orderly shutdown
+            code = proc.wait(timeout=run.wall_s + 180)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            code = proc.wait()
+    summary_path, steps_path = run_dir / "summary.json", run_dir / "learner_steps.jsonl"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    steps = (
+        [json.loads(line) for line in steps_path.read_text().splitlines() if line.strip()]
+        if steps_path.exists()
+        else []
+    )
+    print(
+        f"[{experiment}] {run.name}: {len(steps)} steps, final reward {final_reward(steps):.3f}, "
+        f"{time.monotonic() - t0:.0f}s, rc {code}",
+        flush=True,
+    )
+    return Result(run, summary, steps, code)
+
+
+# ---------------------------------------------------------------------------- experiments
+def ppo_vs_grpo_runs(quick: bool, seeds: int) -> list[Run]:
+    """Same model, group size, batch and step budget; only the advantage estimator differs.
+
+    The maze runs are 2-10 turns and 6 steps: the random-init tiny model never emits a valid
+    move there, so every reward is 0 and neither estimator has a gradient to follow (see the
+    results); longer budgets only cost time (a 2-20 turn step takes ~20 s on 2 cores).
+    """
+    runs = []
+    tasks = (("maze", maze(10), 6), ("digits", DIGITS, 15 if quick else 40))
+    for task, base, steps in tasks:
+        for algo in ("ppo", "grpo"):
+            for seed in range(seeds):
+                over = {
+                    **base,
+                    "actor.group_size": 4,
+                    "learner.algorithm": algo,
+                    "learner.total_steps": steps,
+                    "broker.max_staleness": 1,
+                }
+                runs.append(
+                    Run(
+                        f"{task}-{algo}-s{seed}",
+                        {"task": task, "algorithm": algo},
+                        over,
+                        seed,
+                        wall_s=90 if quick else 300,
+                    )
+                )
+    return runs
+
+
+def icepop_runs(quick: bool, seeds: int) -> list[Run]:
+    """Actors sample in bfloat16, the learner trains float32; staleness 0 isolates that mismatch."""
+    steps = 15 if quick else 40
+    return [
+        Run(
+            f"{corr}-s{seed}",
+            {"correction": corr},
+            {
+                **DIGITS,
+                "actor.engine_dtype": "bfloat16",
+                "model.dtype": "float32",
+                "learner.correction": corr,
+                "broker.max_staleness": 0,
+                "learner.total_steps": steps,
+            },
+            seed,
+            wall_s=60 if quick else 180,
+        )
+        for corr in ("none", "tis", "icepop")
+        for seed in range(seeds)
+    ]
+
+
+def staleness_runs(quick: bool, seeds: int) -> list[Run]:
+    """Decoupled PPO + IcePop vs PPO that ignores μ (w = 1), 4 actors so that staleness is reached."""
+    steps = 15 if quick else 40
+    return [
+        Run(
+            f"k{k}-{corr}-s{seed}",
+            {"max_staleness": k, "correction": corr},
+            {
+                **DIGITS,
+                "broker.max_staleness": k,
+                "learner.correction": corr,
+                "learner.total_steps": steps,
+            },
+            seed,
+            actors=4,
+            wall_s=60 if quick else 180,
+        )
+        for k in ((0, 4) if quick else (0, 1, 2, 4, 8))
+        for corr in ("icepop", "none")
+        for seed in range(seeds)
+    ]
+
+
+def async_runs(quick: bool, seeds: int) -> list[Run]:
+    """max_staleness 4 vs 0 on the maze (torch engine) and with the simulated engine (pipeline only)."""
+    # 64 actor processes would need ~22 GB (each imports torch: ~350 MB RSS) of this box's 23 GB
+    sim_actors = 16 if quick else 32
+    runs = []
+    for k in (0, 4):
+        for seed in range(seeds):
+            runs.append(
+                Run(
+                    f"torch-maze-k{k}-s{seed}",
+                    {"engine": "torch", "max_staleness": k},
+                    {
+                        **maze(10 if quick else 20),
+                        "broker.max_staleness": k,
+                        "learner.total_steps": 6 if quick else 12,
+                    },
+                    seed,
+                    actors=3,
+                    wall_s=90 if quick else 240,
+                )
+            )
+            # simulated: each generate call draws a log-normal per-token latency (median 20 ms, σ = 1)
+            runs.append(
+                Run(
+                    f"simulated-k{k}-s{seed}",
+                    {"engine": "simulated", "max_staleness": k},
+                    {
+                        **DIGITS,
+                        "actor.engine": "simulated",
+                        "broker.max_staleness": k,
+                        "actor.permits_per_request": 4,
+                        "learner.batch_size": 64,
+                        "learner.total_steps": 12 if quick else 30,
+                        "broker.heartbeat_timeout_s": 60.0,
+                    },
+                    seed,
+                    actors=sim_actors,
+                    wall_s=120 if quick else 240,
+                )
+            )
+    return runs
+
+
+def groups(records: list[dict], *keys: str) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in records:
+        out.setdefault(tuple(r["labels"][k] for k in keys), []).append(r)
+    return out
+
+
+def summarize_ppo_vs_grpo(records: list[dict]) -> dict[str, Any]:
+    out = {}
+    for (task, algo), rs in groups(records, "task", "algorithm").items():
+        out[f"{task}/{algo}"] = {
+            "final_reward": mean_std([r["final_reward"] for r in rs]),
+            "mean_reward_over_training": mean_std(
+                [float(np.mean(r["series"]["reward_mean"])) for r in rs if r["learner_steps"]]
+            ),
+            "episodes": mean_std([r["episodes"][-1] for r in rs if r["episodes"]]),
+        }
+    for task in ("maze", "digits"):
+        ppo, grpo = out.get(f"{task}/ppo"), out.get(f"{task}/grpo")
+        if ppo and grpo and grpo["final_reward"]["mean"] > 0:
+            out[f"{task}/ppo_over_grpo_final"] = (
+                ppo["final_reward"]["mean"] / grpo["final_reward"]["mean"]
+            )
+    return out
+
+
+def summarize_icepop(records: list[dict]) -> dict[str, Any]:
+    return {
+        corr: {
+            "final_reward": mean_std([r["final_reward"] for r in rs]),
+            "kept_fraction": mean_std([v for r in rs for v in r["series"]["icepop_kept_fraction"]]),
+            "importance_weight_mean": mean_std(
+                [v for r in rs for v in r["series"]["importance_weight_mean"]]
+            ),
+            "importance_weight_max": max(
+                (v for r in rs for v in r["series"]["importance_weight_max"]), default=float("nan")
+            ),
+        }
+        for (corr,), rs in groups(records, "correction").items()
+    }
+
+
+def summarize_staleness(records: list[dict]) -> dict[str, Any]:
+    return {
+        f"k{k}/{corr}": {
+            "final_reward": mean_std([r["final_reward"] for r in rs]),
+            "tokens_per_second": mean_std([r["tokens_per_second"] for r in rs]),
+            "episodes_per_second": mean_std([r["episodes_per_second"] for r in rs]),
+            "max_staleness_seen": max(max(r["series"]["max_staleness"], default=0) for r in rs),
+            "kept_fraction": mean_std([v for r in rs for v in r["series"]["icepop_kept_fraction"]]),
+        }
+        for (k, corr), rs in sorted(groups(records, "max_staleness", "correction").items())
+    }
+
+
+def summarize_async(records: list[dict]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for (engine, k), rs in groups(records, "engine", "max_staleness").items():
+        out[f"{engine}/k{k}"] = {
+            m: mean_std([r[m] for r in rs])
+            for m in ("tokens_per_second", "episodes_per_second", "idle_fraction")
+        }
+        out[f"{engine}/k{k}"]["actors"] = rs[0]["actors"]
+    for engine in ("torch", "simulated"):
+        a, s = out.get(f"{engine}/k4"), out.get(f"{engine}/k0")
+        if a and s:
+            out[f"{engine}/throughput_ratio_async_over_sync"] = (
+                a["tokens_per_second"]["mean"] / s["tokens_per_second"]["mean"]
+            )
+            out[f"{engine}/idle_ratio_async_over_sync"] = (
+                a["idle_fraction"]["mean"] / s["idle_fraction"]["mean"]
+            )
+    return out
+
+
+# --------------------------------------------------------------------------------- plots
+def _curves(
+    ax: Any, rs: list[dict], label: str, x_key: str = "episodes", y_key: str = "reward_mean"
+) -> None:
+    """Mean over seeds (smoothed) with a min-max band, truncated to the shortest run."""
+    rs = [r for r in rs if r["learner_steps"]]
+    if not rs:
+        return
+    n = min(r["learner_steps"] for r in rs)
+    x = np.asarray(rs[0][x_key][:n]) if x_key == "episodes" else np.arange(1, n + 1)
+    ys = np.stack([smooth(r["series"][y_key][:n]) for r in rs])
+    (line,) = ax.plot(x, ys.mean(0), label=f"{label} (n={len(rs)})")
+    if len(rs) > 1:
+        ax.fill_between(x, ys.min(0), ys.max(0), alpha=0.2, color=line.get_color())
+
+
+def plot_ppo_vs_grpo(records: list[dict], ax_row: list[Any]) -> None:
+    for ax, task in zip(ax_row, ("maze", "digits"), strict=True):
+        for (t, algo), rs in groups(records, "task", "algorithm").items():
+            if t == task:
+                _curves(ax, rs, algo.upper())
+        ax.set(
+            title=f"{task}: {'success rate' if task == 'maze' else 'reward'} vs samples",
+            xlabel="episodes trained",
+            ylabel="success rate" if task == "maze" else "reward",
+        )
+        ax.legend()
+
+
+def plot_icepop(records: list[dict], ax_row: list[Any]) -> None:
+    for (corr,), rs in groups(records, "correction").items():
+        _curves(ax_row[0], rs, corr)
+        _curves(ax_row[1], rs, corr, x_key="step", y_key="icepop_kept_fraction")
+        _curves(ax_row[2], rs, corr, x_key="step", y_key="importance_weight_max")
+    ax_row[0].set(
+        title="reward (bf16 sampling, fp32 training)", xlabel="episodes trained", ylabel="reward"
+    )
+    ax_row[1].set(title="kept-token fraction", xlabel="learner step", ylabel="fraction")
+    ax_row[2].set(title="max importance weight π_prox/μ", xlabel="learner step", ylabel="max w")
+    for ax in ax_row:
+        ax.legend()
+
+
+def plot_staleness(records: list[dict], ax_row: list[Any]) -> None:
+    summary = summarize_staleness(records)
+    for corr in ("icepop", "none"):
+        ks = sorted({k for (k, c) in groups(records, "max_staleness", "correction") if c == corr})
+        for ax, metric in zip(ax_row, ("final_reward", "tokens_per_second"), strict=True):
+            ys = [summary[f"k{k}/{corr}"][metric] for k in ks]
+            ax.errorbar(
+                ks,
+                [y["mean"] for y in ys],
+                yerr=[y["std"] for y in ys],
+                marker="o",
+                capsize=3,
+                label="decoupled + IcePop" if corr == "icepop" else "naive (ignores μ)",
+            )
+    ax_row[0].set(
+        title="final reward vs max_staleness", xlabel="max_staleness", ylabel="final reward"
+    )
+    ax_row[1].set(
+        title="trained tokens/s vs max_staleness", xlabel="max_staleness", ylabel="tokens/s"
+    )
+    for ax in ax_row:
+        ax.legend()
+
+
+def plot_async(records: list[dict], ax_row: list[Any]) -> None:
+    summary = summarize_async(records)
+    engines = [e for e in ("torch", "simulated") if f"{e}/k0" in summary]
+    x = np.arange(len(engines))
+    for ax, metric in zip(ax_row, ("tokens_per_second", "idle_fraction"), strict=True):
+        for offset, k in ((-0.2, 0), (0.2, 4)):
+            vals = [summary[f"{e}/k{k}"][metric] for e in engines]
+            ax.bar(
+                x + offset,
+                [v["mean"] for v in vals],
+                0.4,
+                yerr=[v["std"] for v in vals],
+                capsize=3,
+                label="sync (max_staleness 0)" if k == 0 else "async (max_staleness 4)",
+            )
+        labels = [
+            f"{e} maze\n({summary[f'{e}/k0']['actors']} actors)"
+            if e == "torch"
+            else f"SIMULATED engine\n({summary[f'{e}/k0']['actors']} actors)"
+            for e in engines
+        ]
+        ax.set_xticks(x, labels)
+        ax.legend()
+    ax_row[0].set(title="trained tokens/s (relative to sync, per engine)", ylabel="tokens/s")
+    ax_row[0].set_yscale("log")
+    ax_row[1].set(title="learner idle fraction", ylabel="fraction of wall time")
+
+
+@dataclass(frozen=True)
+class Experiment:
+    make_runs: Callable[[bool, int], list[Run]]
+    summarize: Callable[[list[dict]], dict[str, Any]]
+    plot: Callable[[list[dict], list[Any]], None]
+    panels: int
+    default_seeds: int
+    claim: str
+
+
+EXPERIMENTS = {
+    "ppo_vs_grpo": Experiment(
+        ppo_vs_grpo_runs,
+        summarize_ppo_vs_grpo,
+        plot_ppo_vs_grpo,
+        2,
+        3,
+        "critic PPO: +22% task completion and 1.8x sample efficiency over GRPO on long "
+        "horizons; GRPO as good on short tasks",
+    ),
+    "icepop": Experiment(
+        icepop_runs,
+        summarize_icepop,
+        plot_icepop,
+        3,
+        2,
+        "IcePop keeps training stable under a train/inference mismatch",
+    ),
+    "staleness": Experiment(
+        staleness_runs,
+        summarize_staleness,
+        plot_staleness,
+        2,
+        2,
+        "with the decoupled correction, stale samples train as well as fresh ones; "
+        "without it, staleness hurts",
+    ),
+    "async": Experiment(
+        async_runs,
+        summarize_async,
+        plot_async,
+        2,
+        1,
+        "asynchronous training raises learner throughput and cuts learner idle time",
+    ),
+}
+
+
+def run_experiment(
+    name: str, quick: bool, seeds: int | None, out_dir: Path, max_wall: float | None
+) -> Path:
+    """Run every configuration of one experiment; write `<name>[_quick].json` and `.png`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    exp = EXPERIMENTS[name]
+    n_seeds = seeds if seeds is not None else (1 if quick else exp.default_seeds)
+    if n_seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {n_seeds}")
+    runs = exp.make_runs(quick, n_seeds)
+    if max_wall is not None:
+        runs = [
+            Run(r.name, r.labels, r.overrides, r.seed, r.actors, min(r.wall_s, max_wall))
+            for r in runs
+        ]
+    t0 = time.monotonic()
+    records = [run_record(launch(run, name)) for run in runs]
+    stem = f"{name}_quick" if quick else name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "experiment": name,
+        "setting": "quick" if quick else "full",
+        "claim": exp.claim,
+        "command": f"python bench/experiments.py {name}{' --quick' if quick else ''} --seeds {n_seeds}",
+        "model": MODEL,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "wall_seconds": round(time.monotonic() - t0, 1),
+        "summary": exp.summarize(records),
+        "runs": records,
+    }
+    json_path = out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(report, indent=1, default=float) + "\n")
+    fig, axes = plt.subplots(1, exp.panels, figsize=(5.5 * exp.panels, 4.2), squeeze=False)
+    exp.plot(records, list(axes[0]))
+    fig.suptitle(
+        f"{name} ({report['setting']}, {n_seeds} seed(s), tiny model on {os.cpu_count()} CPU cores)"
+    )
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{stem}.png", dpi=110)
+    plt.close(fig)
+    print(json.dumps(report["summary"], indent=1, default=float), flush=True)
+    return json_path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("experiment", choices=sorted(EXPERIMENTS))
+    ap.add_argument(
+        "--quick", action="store_true", help="the few-minute setting (1 seed unless --seeds)"
+    )
+    ap.add_argument("--seeds", type=int, default=None, help="seeds per configuration")
+    ap.add_argument(
+        "--out", type=Path, default=ROOT / "docs" / "results", help="where JSON and PNG go"
+    )
+    ap.add_argument(
+        "--max-wall", type=float, default=None, help="cap every run at this many seconds"
+    )
+    args = ap.parse_args()
+    run_experiment(args.experiment, args.quick, args.seeds, args.out, args.max_wall)
+
+
+if __name__ == "__main__":
+    main()

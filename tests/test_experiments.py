@@ -1,0 +1,107 @@
+"""The quick setting of every experiment in bench/experiments.py, on real `asyncppo up` runs.
+
+Slow: each takes a few minutes on 2 cores. The outputs go to a temporary directory, so the
+committed results in docs/results/ are never overwritten by a test run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import experiments  # noqa: E402  (bench/ is not a package)
+
+
+def run_quick(name: str, out: Path) -> dict:
+    subprocess.run(
+        [sys.executable, "bench/experiments.py", name, "--quick", "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        timeout=1500,
+    )
+    report = json.loads((out / f"{name}_quick.json").read_text())
+    png = (out / f"{name}_quick.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    assert report["experiment"] == name and report["setting"] == "quick"
+    for run in report["runs"]:
+        assert run["returncode"] == 0, run["name"]
+        assert run["learner_steps"] >= 2, run["name"]
+        assert len(run["episodes"]) == run["learner_steps"] == len(run["series"]["reward_mean"])
+        assert run["episodes"] == sorted(run["episodes"])
+        assert 0.0 <= run["final_reward"] <= 1.0
+        assert run["summary"]["episodes_trained"] == run["episodes"][-1]
+    return report
+
+
+def test_pipeline_rates_count_only_time_outside_steps():
+    steps = [
+        {"time": 10.0, "step_seconds": 1.0, "tokens": 99, "episodes": 9},
+        {"time": 13.0, "step_seconds": 1.0, "tokens": 30, "episodes": 3},
+        {"time": 14.0, "step_seconds": 1.0, "tokens": 10, "episodes": 1},
+    ]
+    rates = experiments.pipeline_rates(steps)
+    assert rates["tokens_per_second"] == pytest.approx(40 / 4)
+    assert rates["episodes_per_second"] == pytest.approx(4 / 4)
+    assert rates["idle_fraction"] == pytest.approx((3 - 1 + 1 - 1) / 4)
+    assert math.isnan(experiments.pipeline_rates(steps[:1])["tokens_per_second"])
+
+
+def test_final_reward_and_smoothing():
+    steps = [{"episode_rewards": [0.0] * 6}, {"episode_rewards": [1.0, 1.0]}]
+    # the last quarter of 8 episodes: the last 2
+    assert experiments.final_reward(steps) == pytest.approx(1.0)
+    assert experiments.final_reward(steps, fraction=0.5) == pytest.approx(0.5)
+    assert experiments.smooth([0, 3, 6, 9], window=2).tolist() == [0, 1.5, 4.5, 7.5]
+
+
+@pytest.mark.slow
+def test_ppo_vs_grpo_quick(tmp_path):
+    report = run_quick("ppo_vs_grpo", tmp_path)
+    assert {(r["labels"]["task"], r["labels"]["algorithm"]) for r in report["runs"]} == {
+        ("maze", "ppo"),
+        ("maze", "grpo"),
+        ("digits", "ppo"),
+        ("digits", "grpo"),
+    }
+    maze = [r for r in report["runs"] if r["labels"]["task"] == "maze"]
+    assert all(
+        r["summary"]["trajectories_trained"] >= r["summary"]["episodes_trained"] for r in maze
+    )
+
+
+@pytest.mark.slow
+def test_icepop_quick(tmp_path):
+    report = run_quick("icepop", tmp_path)
+    for corr, stats in report["summary"].items():
+        kept = stats["kept_fraction"]["mean"]
+        assert kept == 1.0 if corr == "none" else 0.0 < kept <= 1.0
+        # bf16 sampling vs fp32 recompute: the weights differ from 1, but only slightly
+        assert stats["importance_weight_max"] > 1.0
+
+
+@pytest.mark.slow
+def test_staleness_quick(tmp_path):
+    report = run_quick("staleness", tmp_path)
+    for run in report["runs"]:
+        assert max(run["series"]["max_staleness"]) <= run["labels"]["max_staleness"]
+    # asynchronous samples really are stale
+    assert report["summary"]["k4/icepop"]["max_staleness_seen"] >= 1
+
+
+@pytest.mark.slow
+def test_async_quick(tmp_path):
+    report = run_quick("async", tmp_path)
+    summary = report["summary"]
+    assert summary["simulated/throughput_ratio_async_over_sync"] > 1.0
+    assert (
+        summary["simulated/k4"]["idle_fraction"]["mean"]
+        < summary["simulated/k0"]["idle_fraction"]["mean"]
+    )
