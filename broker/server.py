@@ -134,6 +134,7 @@ class Broker:
             self._send(envelope, error_frames(exc, msg.req if msg else exc.req))
             return
         if reply is not None:
+            self._flush_state()  # write-ahead: what a reply announces (ACK, PERMITS) is on disk first
             self._send(envelope, reply)
 
     def _dispatch(self, msg: Message, envelope: list, body: list) -> list | None:
@@ -176,6 +177,7 @@ class Broker:
         M_REJECTED.labels(reason=exc.code).inc()
         self.counts[f"rejected_{exc.code}"] += 1
         self.counts["rejected_invalid"] += exc.code not in ("busy", "unknown_actor", "version_gone")
+        self._dirty = True
         log.warning("rejected message", kind=msg.kind if msg else None, code=exc.code, field=exc.field,
                     detail=exc.detail, client=msg.header.get("id") if msg else None)
 
@@ -264,10 +266,10 @@ class Broker:
         self.seen[seg.traj_id] = None
         if len(self.seen) > SEEN_IDS:
             self.seen.popitem(last=False)
+        self._dirty = True  # the accepted counter moved, even when the episode goes on
         if seg.last:
             self.admission.complete(permit.id)
             self.complete.append((permit, self.partial.pop(permit.id)))
-            self._dirty = True
 
     def _drop_episode(self, permit: Permit, segs: list[Segment], reason: str, *, queued: bool = False) -> None:
         """Discard an episode by rule (stale, actor died): counted per segment and logged."""
@@ -340,6 +342,7 @@ class Broker:
         self.counts["episodes_handed_out"] += len(take)
         self._dirty = True
         self.pending_batch = None
+        self._flush_state()
         self._send(envelope, self._reply(msg, "BATCH", {"batch_id": self.batch_id, "segments": headers}, tensors))
 
     def _on_publish_begin(self, msg: Message) -> list:
