@@ -6,6 +6,7 @@ committed results in docs/results/ are never overwritten by a test run.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -15,9 +16,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 
-import experiments  # noqa: E402  (bench/ is not a package)
+
+def _load_bench(name: str):
+    """Import a bench/ script by path: putting bench/ on sys.path would let bench/learner.py and
+    bench/broker.py shadow the `learner` and `broker` packages (in spawned ranks too)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+experiments = _load_bench("experiments")
 
 
 def run_quick(name: str, out: Path) -> dict:
