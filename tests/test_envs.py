@@ -17,7 +17,7 @@ from actors.envs.tooluse import parse_cases, run_cases
 
 
 def test_registry_builds_every_env_with_the_protocol():
-    assert ENV_NAMES == ("digits", "maze", "tooluse")
+    assert ENV_NAMES == ("digits", "maze", "tooluse", "arith")
     for name in ENV_NAMES:
         env = make_env(name)
         assert isinstance(env, Environment)
@@ -26,7 +26,7 @@ def test_registry_builds_every_env_with_the_protocol():
 
 
 def test_registry_rejects_unknown_names_and_kwargs():
-    with pytest.raises(ValueError, match="known: digits, maze, tooluse"):
+    with pytest.raises(ValueError, match="known: digits, maze, tooluse, arith"):
         make_env("chess")
     with pytest.raises(TypeError, match=r"unknown argument\(s\) turns; accepted: max_turns"):
         make_env("maze", turns=10)
@@ -62,6 +62,7 @@ def test_step_result_rejects_terminated_and_truncated_together():
 
 SCRIPTS = {
     "digits": ["7"],
+    "arith": ["12"],
     "maze": ["R", "U", "bogus", "L", "D", "R"],
     "tooluse": ["ls", "read src/main.py", "run_checks", "write src/main.py def f(x): return x"],
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+from actors.envs.arith import ArithEnv
 from actors.envs.base import Environment, StepResult
 from actors.envs.digits import DigitsEnv
 from actors.envs.maze import MazeEnv
@@ -14,6 +15,7 @@ _REGISTRY: dict[str, Callable[..., Environment]] = {
     "digits": DigitsEnv,
     "maze": MazeEnv,
     "tooluse": ToolUseEnv,
+    "arith": ArithEnv,
 }
 ENV_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
