@@ -34,16 +34,29 @@ log = structlog.get_logger()
 M_TOKENS = Counter("asyncppo_actor_tokens_generated_total", "Tokens sampled by the policy.")
 M_EPISODES = Counter("asyncppo_actor_episodes_total", "Episodes finished.")
 M_SEGMENTS = Counter("asyncppo_actor_segments_sent_total", "Segments acknowledged by the broker.")
-M_LOST = Counter("asyncppo_actor_segments_discarded_total", "Segments the broker refused for good.", ["reason"])
-M_REWARD = Histogram("asyncppo_actor_episode_reward", "Episode reward.", buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 2))
-M_SYNC = Histogram("asyncppo_actor_weight_sync_seconds", "Seconds to fetch and load a new policy version.",
-                   buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+M_LOST = Counter(
+    "asyncppo_actor_segments_discarded_total", "Segments the broker refused for good.", ["reason"]
+)
+M_REWARD = Histogram(
+    "asyncppo_actor_episode_reward", "Episode reward.", buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 2)
+)
+M_SYNC = Histogram(
+    "asyncppo_actor_weight_sync_seconds",
+    "Seconds to fetch and load a new policy version.",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
 M_VERSION = Gauge("asyncppo_actor_policy_version", "Policy version loaded in the engine.")
-M_HACKS = Counter("asyncppo_actor_hacks_intercepted_total", "Tool calls intercepted by the reward-hacking guard.")
+M_HACKS = Counter(
+    "asyncppo_actor_hacks_intercepted_total", "Tool calls intercepted by the reward-hacking guard."
+)
 
 
 def actor_id(cfg: Config) -> str:
-    return cfg.actor.id or os.environ.get("ASYNCPPO_ACTOR_ID") or f"{socket.gethostname()}-{os.getpid()}"
+    return (
+        cfg.actor.id
+        or os.environ.get("ASYNCPPO_ACTOR_ID")
+        or f"{socket.gethostname()}-{os.getpid()}"
+    )
 
 
 class Actor:
@@ -54,7 +67,9 @@ class Actor:
         self.endpoint = Endpoint(cfg.security, cfg.broker.max_message_bytes)
         self.client = Client(self.endpoint, cfg.actor.broker, self.id, timeout_s=30.0)
         dtype = {} if cfg.actor.engine_dtype == "auto" else {"dtype": cfg.actor.engine_dtype}
-        self.engine = make_engine(cfg.actor.engine, cfg.model.path, poll_every=cfg.actor.poll_every_tokens, **dtype)
+        self.engine = make_engine(
+            cfg.actor.engine, cfg.model.path, poll_every=cfg.actor.poll_every_tokens, **dtype
+        )
         self.fmt = ChatFormat(load_tokenizer(cfg.model.path))
         self.engine.version = -1  # the local checkpoint is not a published version: fetch one first
         self.held: list[dict] = []
@@ -62,8 +77,13 @@ class Actor:
         self.episodes_started = 0
         self._last_poll = 0.0
         self.should_stop: Callable[[], bool] = lambda: False
-        log.info("actor starting", actor_id=self.id, broker=cfg.actor.broker, engine=cfg.actor.engine,
-                 env=cfg.actor.env)
+        log.info(
+            "actor starting",
+            actor_id=self.id,
+            broker=cfg.actor.broker,
+            engine=cfg.actor.engine,
+            env=cfg.actor.env,
+        )
 
     # ------------------------------------------------------------ broker calls
     def _call(self, kind: str, header: dict | None = None, tensors: dict | None = None) -> Any:
@@ -78,7 +98,9 @@ class Actor:
                 if self.should_stop():
                     raise
                 self.health.beat(f"broker ({exc})")
-                log.warning("broker request failed, retrying", kind=kind, error=str(exc), retry_in_s=delay)
+                log.warning(
+                    "broker request failed, retrying", kind=kind, error=str(exc), retry_in_s=delay
+                )
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 if exc.code == "unknown_actor":
@@ -87,8 +109,14 @@ class Actor:
     def hello(self) -> None:
         """Register (again, after a broker restart), naming the permits we still work on."""
         try:
-            reply = self.client.request("HELLO", {"role": "actor", "version": self.engine.version,
-                                                  "held_permits": [p["id"] for p in self.held]})
+            reply = self.client.request(
+                "HELLO",
+                {
+                    "role": "actor",
+                    "version": self.engine.version,
+                    "held_permits": [p["id"] for p in self.held],
+                },
+            )
         except TransportError as exc:
             log.warning("HELLO failed; will retry", error=str(exc))
             return
@@ -105,8 +133,13 @@ class Actor:
         if manifest["version"] <= self.engine.version:
             return
         try:
-            chunks = self.client.pipeline("WEIGHTS_GET", [{"version": manifest["version"], "chunk": i}
-                                                          for i in range(len(manifest["chunks"]))])
+            chunks = self.client.pipeline(
+                "WEIGHTS_GET",
+                [
+                    {"version": manifest["version"], "chunk": i}
+                    for i in range(len(manifest["chunks"]))
+                ],
+            )
         except TransportError as exc:
             log.warning("weight download interrupted", version=manifest["version"], error=str(exc))
             return
@@ -116,8 +149,12 @@ class Actor:
         M_VERSION.set(manifest["version"])
         M_SYNC.observe(time.monotonic() - t0)
         bind_version(manifest["version"])
-        log.info("weights loaded", version=manifest["version"], bytes=manifest["total_bytes"],
-                 seconds=round(time.monotonic() - t0, 3))
+        log.info(
+            "weights loaded",
+            version=manifest["version"],
+            bytes=manifest["total_bytes"],
+            seconds=round(time.monotonic() - t0, 3),
+        )
 
     def _poll(self) -> None:
         """Between turns and during generation: heartbeat, and swap to a newer version if there is one."""
@@ -125,14 +162,22 @@ class Actor:
         if now - self._last_poll < 0.5:
             return
         self._last_poll = now
-        self.latest = self._call("HEARTBEAT", {"version": self.engine.version}).header["latest_version"]
+        self.latest = self._call("HEARTBEAT", {"version": self.engine.version}).header[
+            "latest_version"
+        ]
         self.health.beat("generating")
         if self.latest > self.engine.version:
             self.sync_weights()
 
     def request_permits(self) -> list[dict]:
-        reply = self._call("PERMITS_REQ", {"n": self.cfg.actor.permits_per_request, "version": self.engine.version,
-                                           "group": self.cfg.actor.group_size})
+        reply = self._call(
+            "PERMITS_REQ",
+            {
+                "n": self.cfg.actor.permits_per_request,
+                "version": self.engine.version,
+                "group": self.cfg.actor.group_size,
+            },
+        )
         self.latest = reply.header["latest_version"]
         if reply.kind == "PERMITS":
             return reply.header["permits"]
@@ -147,13 +192,19 @@ class Actor:
         """Stream one segment; False when the broker will never take this episode (stop playing it)."""
         try:
             reply = self._call("TRAJ", seg.header(), seg.arrays())
-        except TransportError as exc:  # refused for good (unknown permit after a broker restart, ...)
+        except (
+            TransportError
+        ) as exc:  # refused for good (unknown permit after a broker restart, ...)
             M_LOST.labels(reason=exc.code).inc()
-            log.warning("segment refused; abandoning its episode", traj_id=seg.traj_id, error=str(exc))
+            log.warning(
+                "segment refused; abandoning its episode", traj_id=seg.traj_id, error=str(exc)
+            )
             return False
         if reply.header.get("dropped"):
             M_LOST.labels(reason=reply.header["dropped"]).inc()
-            log.info("episode dropped by the broker", traj_id=seg.traj_id, reason=reply.header["dropped"])
+            log.info(
+                "episode dropped by the broker", traj_id=seg.traj_id, reason=reply.header["dropped"]
+            )
             return False
         M_SEGMENTS.inc()
         return True
@@ -165,19 +216,36 @@ class Actor:
         episodes = []
         for i, permit in enumerate(permits):
             if i % group == 0:
-                seed = zlib.crc32(f"{self.cfg.actor.seed}/{self.id}/{self.episodes_started}".encode())
+                seed = zlib.crc32(
+                    f"{self.cfg.actor.seed}/{self.id}/{self.episodes_started}".encode()
+                )
                 group_id = f"{self.id}.{self.episodes_started}" if group > 1 else None
             env = make_env(self.cfg.actor.env, **self.cfg.actor.env_kwargs)
-            episodes.append(Episode(env, self.fmt, seed=seed, permit=permit["id"], actor_id=self.id,
-                                    group_id=group_id, max_turns=self.cfg.actor.max_turns,
-                                    context_budget=self.cfg.actor.context_budget_tokens))
+            episodes.append(
+                Episode(
+                    env,
+                    self.fmt,
+                    seed=seed,
+                    permit=permit["id"],
+                    actor_id=self.id,
+                    group_id=group_id,
+                    max_turns=self.cfg.actor.max_turns,
+                    context_budget=self.cfg.actor.context_budget_tokens,
+                )
+            )
             self.episodes_started += 1
         while active := [e for e in episodes if not e.done]:
             env = active[0].env
-            params = SamplingParams(max_new_tokens=env.max_new_tokens, temperature=self.cfg.actor.temperature,
-                                    top_p=self.cfg.actor.top_p, stop=list(env.stop),
-                                    stop_token_ids=self.fmt.stop_token_ids)
-            gens = self.engine.generate([e.context for e in active], params, poll_weights=self._poll)
+            params = SamplingParams(
+                max_new_tokens=env.max_new_tokens,
+                temperature=self.cfg.actor.temperature,
+                top_p=self.cfg.actor.top_p,
+                stop=list(env.stop),
+                stop_token_ids=self.fmt.stop_token_ids,
+            )
+            gens = self.engine.generate(
+                [e.context for e in active], params, poll_weights=self._poll
+            )
             for ep, gen in zip(active, gens, strict=True):
                 M_TOKENS.inc(len(gen.token_ids))
                 if not all(self.send(seg) for seg in ep.step(gen)):
@@ -195,7 +263,9 @@ class Actor:
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         self.should_stop = should_stop
-        self.latest = self._call("HELLO", {"role": "actor", "version": -1, "held_permits": []}).header["latest_version"]
+        self.latest = self._call(
+            "HELLO", {"role": "actor", "version": -1, "held_permits": []}
+        ).header["latest_version"]
         self.health.ready = True
         try:
             while not should_stop():
@@ -213,7 +283,9 @@ class Actor:
             self.close()
 
     def close(self) -> None:
-        with contextlib.suppress(TransportError):  # a gone broker reclaims our permits by heartbeat timeout
+        with contextlib.suppress(
+            TransportError
+        ):  # a gone broker reclaims our permits by heartbeat timeout
             self.client.request("BYE", timeout_s=1.0)
         self.client.close()
         log.info("actor stopped", actor_id=self.id, episodes=self.episodes_started)

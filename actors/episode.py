@@ -34,25 +34,38 @@ class ChatFormat:
         self.tok = tokenizer
         user = [{"role": "user", "content": "x"}]
         one = self._render(user + [{"role": "assistant", "content": MARK}])
-        self.end_of_turn = one[one.index(MARK) + len(MARK):]
-        candidates = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]  # end of turn first
-        self.stop_token_ids = list(dict.fromkeys(
-            i for i in candidates if isinstance(i, int) and i != tokenizer.unk_token_id))
+        self.end_of_turn = one[one.index(MARK) + len(MARK) :]
+        candidates = [
+            tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            tokenizer.eos_token_id,
+        ]  # end of turn first
+        self.stop_token_ids = list(
+            dict.fromkeys(
+                i for i in candidates if isinstance(i, int) and i != tokenizer.unk_token_id
+            )
+        )
 
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def _ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def prompt(self, observation: str) -> list[int]:
-        return self._ids(self._render([{"role": "user", "content": observation}], generation_prompt=True))
+        return self._ids(
+            self._render([{"role": "user", "content": observation}], generation_prompt=True)
+        )
 
     def turn(self, observation: str, action_ids: list[int]) -> list[int]:
-        messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": MARK},
-                    {"role": "user", "content": observation}]
+        messages = [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": MARK},
+            {"role": "user", "content": observation},
+        ]
         text = self._render(messages, generation_prompt=True)
-        text = text[text.index(MARK) + len(MARK):]
+        text = text[text.index(MARK) + len(MARK) :]
         if action_ids and action_ids[-1] in self.stop_token_ids:
             stop_text = self.tok.decode([action_ids[-1]], skip_special_tokens=False)
             text = text.removeprefix(stop_text)
@@ -87,8 +100,18 @@ class SegmentBuilder:
 class Episode:
     """One environment episode played by the policy; emits finished segments as it goes."""
 
-    def __init__(self, env: Environment, fmt: ChatFormat, *, seed: int, permit: str, actor_id: str,
-                 group_id: str | None, max_turns: int, context_budget: int):
+    def __init__(
+        self,
+        env: Environment,
+        fmt: ChatFormat,
+        *,
+        seed: int,
+        permit: str,
+        actor_id: str,
+        group_id: str | None,
+        max_turns: int,
+        context_budget: int,
+    ):
         self.env, self.fmt = env, fmt
         self.permit, self.actor_id, self.group_id = permit, actor_id, group_id
         self.max_turns, self.context_budget = max_turns, context_budget
@@ -131,12 +154,22 @@ class Episode:
         metrics = {k: v for k, v in self.info.items() if isinstance(v, (int, float, str, bool))}
         metrics.update(turns=self.turns, segment_turns=b.turns, compactions=self.compactions)
         seg = Segment(
-            traj_id=f"{self.episode_id}.{len(self.segments)}", episode_id=self.episode_id,
-            segment=len(self.segments), actor_id=self.actor_id, task=self.env.name, group_id=self.group_id,
-            permit=self.permit, last=last, terminated=terminated, truncated=truncated,
-            tokens=np.asarray(b.tokens, dtype="<i4"), action_mask=np.asarray(b.mask, dtype="|u1"),
-            behavior_logprobs=np.asarray(b.logprobs, dtype="<f4"), versions=np.asarray(b.versions, dtype="<i4"),
-            rewards=np.asarray(b.rewards, dtype="<f4"), metrics=metrics,
+            traj_id=f"{self.episode_id}.{len(self.segments)}",
+            episode_id=self.episode_id,
+            segment=len(self.segments),
+            actor_id=self.actor_id,
+            task=self.env.name,
+            group_id=self.group_id,
+            permit=self.permit,
+            last=last,
+            terminated=terminated,
+            truncated=truncated,
+            tokens=np.asarray(b.tokens, dtype="<i4"),
+            action_mask=np.asarray(b.mask, dtype="|u1"),
+            behavior_logprobs=np.asarray(b.logprobs, dtype="<f4"),
+            versions=np.asarray(b.versions, dtype="<i4"),
+            rewards=np.asarray(b.rewards, dtype="<f4"),
+            metrics=metrics,
         )
         seg.validate()
         self.segments.append(seg)

@@ -48,13 +48,17 @@ class Admission:
 
     def grantable(self) -> int:
         """Permits that may be granted now under rule 1."""
-        return max(0, self.capacity - self.consumed_since_publish - len(self.in_flight) - self.queued)
+        return max(
+            0, self.capacity - self.consumed_since_publish - len(self.in_flight) - self.queued
+        )
 
     def grant(self, actor_id: str, n: int, version: int, *, group: int = 1) -> list[Permit]:
         """Up to n permits at the actor's (= the latest) version, in whole groups."""
         n = min(n, self.grantable()) // group * group
         now = time.monotonic()
-        permits = [Permit(f"{self._epoch}-{next(self._ids)}", actor_id, version, now) for _ in range(n)]
+        permits = [
+            Permit(f"{self._epoch}-{next(self._ids)}", actor_id, version, now) for _ in range(n)
+        ]
         self.in_flight.update((p.id, p) for p in permits)
         self.granted_total += n
         return permits
@@ -89,12 +93,18 @@ class Admission:
         return [p for p in self.in_flight.values() if p.version <= oldest_allowed]
 
     def state(self) -> dict:
-        return {"in_flight": [vars(p) for p in self.in_flight.values()], "queued": self.queued,
-                "consumed_since_publish": self.consumed_since_publish, "granted_total": self.granted_total}
+        return {
+            "in_flight": [vars(p) for p in self.in_flight.values()],
+            "queued": self.queued,
+            "consumed_since_publish": self.consumed_since_publish,
+            "granted_total": self.granted_total,
+        }
 
     def restore(self, state: dict) -> None:
         """Resume after a broker restart: in-flight permits get a fresh liveness clock."""
         now = time.monotonic()
-        self.in_flight = {p["id"]: Permit(p["id"], p["actor_id"], p["version"], now) for p in state["in_flight"]}
+        self.in_flight = {
+            p["id"]: Permit(p["id"], p["actor_id"], p["version"], now) for p in state["in_flight"]
+        }
         self.consumed_since_publish = state["consumed_since_publish"]
         self.granted_total = state["granted_total"]

@@ -30,27 +30,52 @@ from common.transport import Endpoint, send
 
 log = structlog.get_logger()
 
-M_RECEIVED = PromCounter("asyncppo_broker_trajectories_received_total", "Trajectory segments received.")
-M_ACCEPTED = PromCounter("asyncppo_broker_trajectories_accepted_total", "Segments accepted (acknowledged).")
-M_REJECTED = PromCounter("asyncppo_broker_trajectories_rejected_total", "Messages rejected, by reason.", ["reason"])
-M_DROPPED = PromCounter("asyncppo_broker_trajectories_dropped_total", "Accepted segments dropped by rule.", ["reason"])
-M_HANDED = PromCounter("asyncppo_broker_trajectories_handed_out_total", "Segments handed to the learner.")
-M_QUEUE_ITEMS = Gauge("asyncppo_broker_queue_items", "Segments queued (complete and partial episodes).")
+M_RECEIVED = PromCounter(
+    "asyncppo_broker_trajectories_received_total", "Trajectory segments received."
+)
+M_ACCEPTED = PromCounter(
+    "asyncppo_broker_trajectories_accepted_total", "Segments accepted (acknowledged)."
+)
+M_REJECTED = PromCounter(
+    "asyncppo_broker_trajectories_rejected_total", "Messages rejected, by reason.", ["reason"]
+)
+M_DROPPED = PromCounter(
+    "asyncppo_broker_trajectories_dropped_total", "Accepted segments dropped by rule.", ["reason"]
+)
+M_HANDED = PromCounter(
+    "asyncppo_broker_trajectories_handed_out_total", "Segments handed to the learner."
+)
+M_QUEUE_ITEMS = Gauge(
+    "asyncppo_broker_queue_items", "Segments queued (complete and partial episodes)."
+)
 M_QUEUE_BYTES = Gauge("asyncppo_broker_queue_bytes", "Bytes of queued segments.")
 M_PERMITS = PromCounter("asyncppo_broker_permits_granted_total", "Rollout permits granted.")
-M_PERMITS_USE = Gauge("asyncppo_broker_permits_in_use", "Permits granted whose episode is not complete.")
+M_PERMITS_USE = Gauge(
+    "asyncppo_broker_permits_in_use", "Permits granted whose episode is not complete."
+)
 M_ACTORS = Gauge("asyncppo_broker_actors_connected", "Actors seen within the heartbeat timeout.")
 M_VERSION = Gauge("asyncppo_broker_policy_version", "Newest complete policy version.")
 M_BYTES_IN = PromCounter("asyncppo_broker_bytes_received_total", "Bytes received on the socket.")
 M_BYTES_OUT = PromCounter("asyncppo_broker_bytes_sent_total", "Bytes sent on the socket.")
-M_FANOUT = Histogram("asyncppo_broker_weight_fanout_seconds", "Commit of a version to an actor's last chunk of it.",
-                     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+M_FANOUT = Histogram(
+    "asyncppo_broker_weight_fanout_seconds",
+    "Commit of a version to an actor's last chunk of it.",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
 
 ACTOR_KINDS = {"PERMITS_REQ", "TRAJ", "BYE"}
 LEARNER_KINDS = {"GET_BATCH", "PUBLISH_BEGIN", "PUBLISH_CHUNK", "PUBLISH_COMMIT"}
 SEEN_IDS = 1_000_000  # traj_ids remembered for duplicate detection
-STAT_COUNTS = ("received", "accepted", "rejected_invalid", "dropped_stale", "dropped_incomplete_episode",
-               "handed_out", "episodes_handed_out", "permits_reclaimed")  # always present in STATS
+STAT_COUNTS = (
+    "received",
+    "accepted",
+    "rejected_invalid",
+    "dropped_stale",
+    "dropped_incomplete_episode",
+    "handed_out",
+    "episodes_handed_out",
+    "permits_reclaimed",
+)  # always present in STATS
 
 
 def _nbytes(frames: list) -> int:
@@ -63,15 +88,24 @@ class Broker:
         self.health = health or Health()
         self.endpoint = Endpoint(cfg.security, cfg.broker.max_message_bytes)
         self.sock = self.endpoint.server(cfg.broker.bind)
-        self.admission = Admission(batch_size=cfg.learner.batch_size, publish_every=cfg.learner.publish_every,
-                                   max_staleness=cfg.broker.max_staleness)
+        self.admission = Admission(
+            batch_size=cfg.learner.batch_size,
+            publish_every=cfg.learner.publish_every,
+            max_staleness=cfg.broker.max_staleness,
+        )
         self.weights = WeightStore()
-        self.partial: dict[str, list[Segment]] = {}  # permit id -> segments of an unfinished episode
-        self.complete: deque[tuple[Permit, list[Segment]]] = deque()  # whole episodes, arrival order
+        self.partial: dict[
+            str, list[Segment]
+        ] = {}  # permit id -> segments of an unfinished episode
+        self.complete: deque[tuple[Permit, list[Segment]]] = (
+            deque()
+        )  # whole episodes, arrival order
         self.queue_bytes = 0
         self.seen: OrderedDict[str, None] = OrderedDict()
         self.actors: dict[str, float] = {}  # actor id -> last message (monotonic)
-        self.actor_versions: dict[str, int] = {}  # actor id -> version it last reported (kept after it leaves)
+        self.actor_versions: dict[
+            str, int
+        ] = {}  # actor id -> version it last reported (kept after it leaves)
         self.learner_id: str | None = None
         self.pending_batch: tuple[list, Message, float] | None = None
         self.batch_id = 0
@@ -83,8 +117,14 @@ class Broker:
             self._restore()
         M_VERSION.set(self.weights.latest_version)
         bind_version(self.weights.latest_version)
-        log.info("broker listening", bind=self.cfg.bind, max_staleness=self.cfg.max_staleness,
-                 spool=self.cfg.spool_dir, curve=cfg.security.curve, version=self.weights.latest_version)
+        log.info(
+            "broker listening",
+            bind=self.cfg.bind,
+            max_staleness=self.cfg.max_staleness,
+            spool=self.cfg.spool_dir,
+            curve=cfg.security.curve,
+            version=self.weights.latest_version,
+        )
 
     # ------------------------------------------------------------------ loop
     def run(self, should_stop: Any) -> None:
@@ -115,7 +155,9 @@ class Broker:
                 self._reclaim(actor_id, reason="actor_timeout")
         if self.pending_batch is not None:
             self._try_batch()
-        M_QUEUE_ITEMS.set(sum(len(s) for s in self.partial.values()) + sum(len(s) for _, s in self.complete))
+        M_QUEUE_ITEMS.set(
+            sum(len(s) for s in self.partial.values()) + sum(len(s) for _, s in self.complete)
+        )
         M_QUEUE_BYTES.set(self.queue_bytes)
         M_PERMITS_USE.set(len(self.admission.in_flight))
         M_ACTORS.set(len(self.actors))
@@ -143,14 +185,24 @@ class Broker:
         if not isinstance(client, str) or not client:
             raise ProtocolError("missing_field", "id", "every request carries the client id")
         if msg.kind in LEARNER_KINDS and client != self.learner_id:
-            raise ProtocolError("not_learner", "id", f"{client!r} is not the registered learner; send HELLO first",
-                                retryable=True)
-        if client in self.actors:  # any message of a registered actor shows it is alive (long downloads too)
+            raise ProtocolError(
+                "not_learner",
+                "id",
+                f"{client!r} is not the registered learner; send HELLO first",
+                retryable=True,
+            )
+        if (
+            client in self.actors
+        ):  # any message of a registered actor shows it is alive (long downloads too)
             self.actors[client] = time.monotonic()
         if msg.kind in ACTOR_KINDS | {"HEARTBEAT"} and client != self.learner_id:
             if client not in self.actors and msg.kind != "BYE":
-                raise ProtocolError("unknown_actor", "id", f"actor {client!r} is not registered; send HELLO",
-                                    retryable=True)
+                raise ProtocolError(
+                    "unknown_actor",
+                    "id",
+                    f"actor {client!r} is not registered; send HELLO",
+                    retryable=True,
+                )
             self.actors[client] = time.monotonic()
             if isinstance(head.get("version"), int) and msg.kind != "TRAJ":
                 self.actor_versions[client] = head["version"]
@@ -160,7 +212,9 @@ class Broker:
             return None
         handler = getattr(self, f"_on_{msg.kind.lower()}", None)
         if handler is None:
-            raise ProtocolError("unknown_kind", "kind", f"{msg.kind} is not a request the broker serves")
+            raise ProtocolError(
+                "unknown_kind", "kind", f"{msg.kind} is not a request the broker serves"
+            )
         return handler(msg, body) if msg.kind == "TRAJ" else handler(msg)
 
     def _send(self, envelope: list, frames: list) -> None:
@@ -170,7 +224,9 @@ class Broker:
         except zmq.ZMQError as exc:  # the peer vanished (ROUTER_MANDATORY): nothing to deliver to
             log.debug("reply undeliverable", error=str(exc))
 
-    def _reply(self, msg: Message, kind: str, header: dict | None = None, tensors: dict | None = None) -> list:
+    def _reply(
+        self, msg: Message, kind: str, header: dict | None = None, tensors: dict | None = None
+    ) -> list:
         return encode(kind, {"req": msg.req, **(header or {})}, tensors)
 
     def _count_reject(self, exc: ProtocolError, msg: Message | None) -> None:
@@ -178,8 +234,14 @@ class Broker:
         self.counts[f"rejected_{exc.code}"] += 1
         self.counts["rejected_invalid"] += exc.code not in ("busy", "unknown_actor", "version_gone")
         self._dirty = True
-        log.warning("rejected message", kind=msg.kind if msg else None, code=exc.code, field=exc.field,
-                    detail=exc.detail, client=msg.header.get("id") if msg else None)
+        log.warning(
+            "rejected message",
+            kind=msg.kind if msg else None,
+            code=exc.code,
+            field=exc.field,
+            detail=exc.detail,
+            client=msg.header.get("id") if msg else None,
+        )
 
     # ------------------------------------------------------------ handlers
     def _on_hello(self, msg: Message) -> list:
@@ -188,21 +250,38 @@ class Broker:
             for key in ("batch_size", "publish_every"):
                 if not isinstance(head.get(key), int) or head[key] < 1:
                     raise ProtocolError("bad_value", key, "learner HELLO needs an int >= 1")
-            self.admission.configure(batch_size=head["batch_size"], publish_every=head["publish_every"])
+            self.admission.configure(
+                batch_size=head["batch_size"], publish_every=head["publish_every"]
+            )
             self.learner_id = client
-            log.info("learner connected", learner=client, version=head["version"], batch_size=head["batch_size"])
+            log.info(
+                "learner connected",
+                learner=client,
+                version=head["version"],
+                batch_size=head["batch_size"],
+            )
         elif head["role"] == "actor":
             held = head.get("held_permits", [])
             if not isinstance(held, list) or not all(isinstance(p, str) for p in held):
                 raise ProtocolError("bad_type", "held_permits", "must be a list of permit ids")
             self._reclaim(client, keep=set(held), reason="actor_restart")
             self.actors[client] = time.monotonic()
-            log.info("actor connected", actor=client, version=head["version"], actors=len(self.actors))
+            log.info(
+                "actor connected", actor=client, version=head["version"], actors=len(self.actors)
+            )
         else:
-            raise ProtocolError("bad_value", "role", f"must be 'actor' or 'learner', got {head['role']!r}")
-        return self._reply(msg, "WELCOME", {"latest_version": self.weights.latest_version,
-                                            "max_staleness": self.cfg.max_staleness,
-                                            "heartbeat_s": self.cfg.heartbeat_timeout_s / 3})
+            raise ProtocolError(
+                "bad_value", "role", f"must be 'actor' or 'learner', got {head['role']!r}"
+            )
+        return self._reply(
+            msg,
+            "WELCOME",
+            {
+                "latest_version": self.weights.latest_version,
+                "max_staleness": self.cfg.max_staleness,
+                "heartbeat_s": self.cfg.heartbeat_timeout_s / 3,
+            },
+        )
 
     def _on_heartbeat(self, msg: Message) -> list:
         return self._reply(msg, "HEARTBEAT_ACK", {"latest_version": self.weights.latest_version})
@@ -213,8 +292,15 @@ class Broker:
         return self._reply(msg, "OK")
 
     def _wait(self, msg: Message, reason: str, retry_after_s: float) -> list:
-        return self._reply(msg, "WAIT", {"reason": reason, "retry_after_s": retry_after_s,
-                                         "latest_version": self.weights.latest_version})
+        return self._reply(
+            msg,
+            "WAIT",
+            {
+                "reason": reason,
+                "retry_after_s": retry_after_s,
+                "latest_version": self.weights.latest_version,
+            },
+        )
 
     def _on_permits_req(self, msg: Message) -> list:
         head, latest = msg.header, self.weights.latest_version
@@ -232,8 +318,14 @@ class Broker:
             return self._wait(msg, "capacity", 0.2)
         M_PERMITS.inc(len(permits))
         self._dirty = True
-        return self._reply(msg, "PERMITS", {"permits": [{"id": p.id, "version": p.version} for p in permits],
-                                            "latest_version": latest})
+        return self._reply(
+            msg,
+            "PERMITS",
+            {
+                "permits": [{"id": p.id, "version": p.version} for p in permits],
+                "latest_version": latest,
+            },
+        )
 
     def _on_traj(self, msg: Message, body: list) -> list:
         M_RECEIVED.inc()
@@ -243,16 +335,26 @@ class Broker:
             return self._reply(msg, "ACK", {"duplicate": True})
         permit = self.admission.in_flight.get(seg.permit)
         if permit is None or permit.actor_id != seg.actor_id:
-            raise ProtocolError("unknown_permit", "permit", f"{seg.permit!r} is not a permit held by {seg.actor_id!r}")
+            raise ProtocolError(
+                "unknown_permit",
+                "permit",
+                f"{seg.permit!r} is not a permit held by {seg.actor_id!r}",
+            )
         done = self.partial.get(permit.id, [])
         if seg.segment != len(done) or (done and done[0].episode_id != seg.episode_id):
-            raise ProtocolError("bad_value", "segment", f"expected segment {len(done)} of episode "
-                                f"{done[0].episode_id if done else seg.episode_id!r}, got {seg.segment}")
+            raise ProtocolError(
+                "bad_value",
+                "segment",
+                f"expected segment {len(done)} of episode "
+                f"{done[0].episode_id if done else seg.episode_id!r}, got {seg.segment}",
+            )
         if self.weights.latest_version - seg.min_version > self.cfg.max_staleness:
             self._drop_episode(permit, done + [seg], "stale")
             return self._reply(msg, "ACK", {"dropped": "stale"})
         if self.queue_bytes + seg.nbytes > self.cfg.max_queue_bytes:
-            raise ProtocolError("busy", "tokens", "broker queue is full; retry later", retryable=True)
+            raise ProtocolError(
+                "busy", "tokens", "broker queue is full; retry later", retryable=True
+            )
         if self.spool:
             self.spool.save_segment(f"{permit.id}.{seg.segment}", [f.bytes for f in body])
         self._accept(permit, seg)
@@ -271,7 +373,9 @@ class Broker:
             self.admission.complete(permit.id)
             self.complete.append((permit, self.partial.pop(permit.id)))
 
-    def _drop_episode(self, permit: Permit, segs: list[Segment], reason: str, *, queued: bool = False) -> None:
+    def _drop_episode(
+        self, permit: Permit, segs: list[Segment], reason: str, *, queued: bool = False
+    ) -> None:
         """Discard an episode by rule (stale, actor died): counted per segment and logged."""
         accepted = [s for s in segs if s.traj_id in self.seen]
         if queued:
@@ -286,9 +390,20 @@ class Broker:
         M_DROPPED.labels(reason=reason).inc(len(segs))
         self.counts[f"dropped_{reason}"] += len(segs)
         self._dirty = True
-        log.info("episode dropped", reason=reason, permit=permit.id, actor=permit.actor_id, segments=len(segs))
+        log.info(
+            "episode dropped",
+            reason=reason,
+            permit=permit.id,
+            actor=permit.actor_id,
+            segments=len(segs),
+        )
 
-    def _reclaim(self, actor_id: str, keep: set[str] | frozenset[str] = frozenset(), reason: str = "actor_timeout") -> None:
+    def _reclaim(
+        self,
+        actor_id: str,
+        keep: set[str] | frozenset[str] = frozenset(),
+        reason: str = "actor_timeout",
+    ) -> None:
         permits = self.admission.reclaim(actor_id, keep)
         for p in permits:
             segs = self.partial.pop(p.id, [])
@@ -314,17 +429,30 @@ class Broker:
         stragglers = self.admission.stragglers(v_learner) if head["publishes_after"] else []
         if stragglers or len(self.complete) < n:
             if time.monotonic() >= deadline:
-                waiting = (f"{len(stragglers)} episodes of version <= {v_learner - eta} from "
-                           f"{sorted({p.actor_id for p in stragglers})}" if stragglers
-                           else f"{n - len(self.complete)} more whole episodes")
+                waiting = (
+                    f"{len(stragglers)} episodes of version <= {v_learner - eta} from "
+                    f"{sorted({p.actor_id for p in stragglers})}"
+                    if stragglers
+                    else f"{n - len(self.complete)} more whole episodes"
+                )
                 self.pending_batch = None
-                self._send(envelope, self._reply(msg, "WAIT", {"reason": waiting, "retry_after_s": 0.0,
-                                                               "latest_version": self.weights.latest_version}))
+                self._send(
+                    envelope,
+                    self._reply(
+                        msg,
+                        "WAIT",
+                        {
+                            "reason": waiting,
+                            "retry_after_s": 0.0,
+                            "latest_version": self.weights.latest_version,
+                        },
+                    ),
+                )
             return
         # Rule 2: episodes that would be too stale after this publish go first, then arrival order.
         must = [head["publishes_after"] and p.version <= v_learner - eta for p, _ in self.complete]
         order = [i for i, m in enumerate(must) if m] + [i for i, m in enumerate(must) if not m]
-        chosen = set(order[:max(n, sum(must))])
+        chosen = set(order[: max(n, sum(must))])
         take = [self.complete[i] for i in order if i in chosen]
         self.complete = deque(ep for i, ep in enumerate(self.complete) if i not in chosen)
         self.admission.consume(len(take))
@@ -343,7 +471,10 @@ class Broker:
         self._dirty = True
         self.pending_batch = None
         self._flush_state()
-        self._send(envelope, self._reply(msg, "BATCH", {"batch_id": self.batch_id, "segments": headers}, tensors))
+        self._send(
+            envelope,
+            self._reply(msg, "BATCH", {"batch_id": self.batch_id, "segments": headers}, tensors),
+        )
 
     def _on_publish_begin(self, msg: Message) -> list:
         self.weights.begin(msg.header["manifest"])
@@ -352,7 +483,9 @@ class Broker:
     def _on_publish_chunk(self, msg: Message) -> list:
         data = msg.tensors.get("data")
         if data is None or data.dtype != np.uint8:
-            raise ProtocolError("missing_field", "data", "PUBLISH_CHUNK carries one uint8 tensor 'data'")
+            raise ProtocolError(
+                "missing_field", "data", "PUBLISH_CHUNK carries one uint8 tensor 'data'"
+            )
         self.weights.put(msg.header["version"], msg.header["chunk"], data)
         return self._reply(msg, "OK")
 
@@ -365,8 +498,12 @@ class Broker:
         self._dirty = True
         M_VERSION.set(wv.version)
         bind_version(wv.version)
-        log.info("policy version published", version=wv.version, bytes=wv.manifest["total_bytes"],
-                 chunks=len(wv.chunks))
+        log.info(
+            "policy version published",
+            version=wv.version,
+            bytes=wv.manifest["total_bytes"],
+            chunks=len(wv.chunks),
+        )
         return self._reply(msg, "OK", {"version": wv.version})
 
     # --------------------------------------------------------------- actors
@@ -381,23 +518,39 @@ class Broker:
         data = self.weights.chunk(version, index)
         if index == len(self.weights.versions[version].chunks) - 1 and version in self.commit_time:
             M_FANOUT.observe(time.monotonic() - self.commit_time[version])
-        return self._reply(msg, "WEIGHTS_CHUNK", {"version": version, "chunk": index},
-                           {"data": np.frombuffer(data, dtype=np.uint8)})
+        return self._reply(
+            msg,
+            "WEIGHTS_CHUNK",
+            {"version": version, "chunk": index},
+            {"data": np.frombuffer(data, dtype=np.uint8)},
+        )
 
     def _on_stats(self, msg: Message) -> list:
         return self._reply(msg, "STATS_REPLY", {"stats": self.stats()})
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counts, "policy_version": self.weights.latest_version, "actors": len(self.actors),
-                "permits_in_use": len(self.admission.in_flight), "permits_granted": self.admission.granted_total,
-                "queued_episodes": len(self.complete), "queue_bytes": self.queue_bytes,
-                "partial_episodes": len(self.partial), "actor_versions": dict(self.actor_versions)}
+        return {
+            **self.counts,
+            "policy_version": self.weights.latest_version,
+            "actors": len(self.actors),
+            "permits_in_use": len(self.admission.in_flight),
+            "permits_granted": self.admission.granted_total,
+            "queued_episodes": len(self.complete),
+            "queue_bytes": self.queue_bytes,
+            "partial_episodes": len(self.partial),
+            "actor_versions": dict(self.actor_versions),
+        }
 
     # ----------------------------------------------------------- durability
     def _flush_state(self) -> None:
         if self.spool and self._dirty:
-            self.spool.save_state({"admission": self.admission.state(), "counts": dict(self.counts),
-                                   "batch_id": self.batch_id})
+            self.spool.save_state(
+                {
+                    "admission": self.admission.state(),
+                    "counts": dict(self.counts),
+                    "batch_id": self.batch_id,
+                }
+            )
             self._dirty = False
 
     def _restore(self) -> None:
@@ -425,5 +578,10 @@ class Broker:
         self.admission.queued = len(self.complete)
         for actor_id in {p.actor_id for p in self.admission.in_flight.values()}:
             self.actors.setdefault(actor_id, time.monotonic())
-        log.info("broker state restored", segments=restored, episodes=len(self.complete),
-                 permits=len(self.admission.in_flight), version=self.weights.latest_version)
+        log.info(
+            "broker state restored",
+            segments=restored,
+            episodes=len(self.complete),
+            permits=len(self.admission.in_flight),
+            version=self.weights.latest_version,
+        )

@@ -53,16 +53,23 @@ class Spool:
         """Chunks first, the manifest last: a version without a manifest is ignored on load."""
         for i, chunk in enumerate(chunks):
             _atomic_write(self.weights / f"v{version}.chunk{i}", chunk)
-        _atomic_write(self.weights / f"v{version}.manifest", msgpack.packb(manifest, use_bin_type=True))
+        _atomic_write(
+            self.weights / f"v{version}.manifest", msgpack.packb(manifest, use_bin_type=True)
+        )
         for old in self.weights.iterdir():
             if not old.name.startswith(f"v{version}."):
                 old.unlink(missing_ok=True)
 
     def load_weights(self) -> tuple[dict, list[bytes]] | None:
-        manifests = sorted(self.weights.glob("v*.manifest"), key=lambda p: int(p.name[1:].split(".")[0]))
+        manifests = sorted(
+            self.weights.glob("v*.manifest"), key=lambda p: int(p.name[1:].split(".")[0])
+        )
         if not manifests:
             return None
         manifest = msgpack.unpackb(manifests[-1].read_bytes(), raw=False)
         version = manifest["version"]
-        chunks = [(self.weights / f"v{version}.chunk{i}").read_bytes() for i in range(len(manifest["chunks"]))]
+        chunks = [
+            (self.weights / f"v{version}.chunk{i}").read_bytes()
+            for i in range(len(manifest["chunks"]))
+        ]
         return manifest, chunks

@@ -43,26 +43,39 @@ class WeightStore:
         validate_manifest(manifest)
         version = manifest["version"]
         if version <= self.latest_version:
-            raise ProtocolError("version_backwards", "manifest.version",
-                                f"version {version} is not newer than the latest {self.latest_version}")
+            raise ProtocolError(
+                "version_backwards",
+                "manifest.version",
+                f"version {version} is not newer than the latest {self.latest_version}",
+            )
         self.pending = WeightVersion(version, manifest, [None] * len(manifest["chunks"]))
 
     def put(self, version: int, index: int, data: bytes) -> None:
         pending = self._pending(version)
         if not 0 <= index < len(pending.chunks):
-            raise ProtocolError("bad_value", "chunk", f"chunk {index} out of range 0..{len(pending.chunks) - 1}")
+            raise ProtocolError(
+                "bad_value", "chunk", f"chunk {index} out of range 0..{len(pending.chunks) - 1}"
+            )
         spec = pending.manifest["chunks"][index]
         if len(data) != spec["nbytes"]:
-            raise ProtocolError("size_mismatch", "data", f"chunk {index} has {len(data)} bytes, manifest says {spec['nbytes']}")
+            raise ProtocolError(
+                "size_mismatch",
+                "data",
+                f"chunk {index} has {len(data)} bytes, manifest says {spec['nbytes']}",
+            )
         if hashlib.sha256(data).hexdigest() != spec["sha256"]:
-            raise ProtocolError("checksum", "data", f"chunk {index} sha256 does not match the manifest")
+            raise ProtocolError(
+                "checksum", "data", f"chunk {index} sha256 does not match the manifest"
+            )
         pending.chunks[index] = data
 
     def commit(self, version: int) -> WeightVersion:
         pending = self._pending(version)
         if not pending.complete:
             missing = [i for i, c in enumerate(pending.chunks) if c is None]
-            raise ProtocolError("incomplete", "chunk", f"version {version} is missing chunks {missing[:10]}")
+            raise ProtocolError(
+                "incomplete", "chunk", f"version {version} is missing chunks {missing[:10]}"
+            )
         self.install(pending)
         self.pending = None
         return pending
@@ -76,14 +89,25 @@ class WeightStore:
     def chunk(self, version: int, index: int) -> bytes:
         wv = self.versions.get(version)
         if wv is None:
-            raise ProtocolError("version_gone", "version",
-                                f"version {version} is not available (latest {self.latest_version})", retryable=True)
+            raise ProtocolError(
+                "version_gone",
+                "version",
+                f"version {version} is not available (latest {self.latest_version})",
+                retryable=True,
+            )
         if not 0 <= index < len(wv.chunks):
-            raise ProtocolError("bad_value", "chunk", f"chunk {index} out of range 0..{len(wv.chunks) - 1}")
+            raise ProtocolError(
+                "bad_value", "chunk", f"chunk {index} out of range 0..{len(wv.chunks) - 1}"
+            )
         return wv.chunks[index]  # type: ignore[return-value]
 
     def _pending(self, version: int) -> WeightVersion:
         if self.pending is None or self.pending.version != version:
-            raise ProtocolError("no_publish", "version", f"no publish of version {version} is in progress "
-                                "(the broker restarted?): start again with PUBLISH_BEGIN", retryable=True)
+            raise ProtocolError(
+                "no_publish",
+                "version",
+                f"no publish of version {version} is in progress "
+                "(the broker restarted?): start again with PUBLISH_BEGIN",
+                retryable=True,
+            )
         return self.pending

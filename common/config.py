@@ -30,9 +30,12 @@ def param(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    path: str = param("runs/models/tiny", "Local Hugging Face directory: config.json, weights, tokenizer.")
+    path: str = param(
+        "runs/models/tiny", "Local Hugging Face directory: config.json, weights, tokenizer."
+    )
     builtin: str | None = param(
-        "tiny", "Build this small random-init model at `path` when it is missing ('tiny'); null for a real checkpoint."
+        "tiny",
+        "Build this small random-init model at `path` when it is missing ('tiny'); null for a real checkpoint.",
     )
     hidden_size: int = param(64, "Hidden size of the built-in tiny model.")
     num_layers: int = param(2, "Layers of the built-in tiny model.")
@@ -41,79 +44,120 @@ class ModelConfig:
 
 @dataclass
 class BrokerConfig:
-    bind: str = param("tcp://127.0.0.1:5555", "ZeroMQ ROUTER endpoint the broker binds (actors and learner connect).")
+    bind: str = param(
+        "tcp://127.0.0.1:5555",
+        "ZeroMQ ROUTER endpoint the broker binds (actors and learner connect).",
+    )
     max_staleness: int = param(
         1, "Largest allowed policy-version lag of any trained token; 0 is the synchronous baseline."
     )
-    max_queue_bytes: int = param(1 << 30, "Bytes of queued segments above which new segments get a retryable `busy`.")
-    max_message_bytes: int = param(256 << 20, "ZMQ_MAXMSGSIZE on every socket: larger messages are refused.")
-    heartbeat_timeout_s: float = param(15.0, "An actor silent this long is presumed dead; its permits are reclaimed.")
-    batch_wait_s: float = param(2.0, "How long a GET_BATCH is held open before the broker answers WAIT.")
+    max_queue_bytes: int = param(
+        1 << 30, "Bytes of queued segments above which new segments get a retryable `busy`."
+    )
+    max_message_bytes: int = param(
+        256 << 20, "ZMQ_MAXMSGSIZE on every socket: larger messages are refused."
+    )
+    heartbeat_timeout_s: float = param(
+        15.0, "An actor silent this long is presumed dead; its permits are reclaimed."
+    )
+    batch_wait_s: float = param(
+        2.0, "How long a GET_BATCH is held open before the broker answers WAIT."
+    )
     spool_dir: str | None = param(
-        None, "Directory where accepted segments and the newest weights are written before they are acknowledged."
+        None,
+        "Directory where accepted segments and the newest weights are written before they are acknowledged.",
     )
 
 
 @dataclass
 class ActorConfig:
     broker: str = param("tcp://127.0.0.1:5555", "Broker endpoint this actor connects to.")
-    id: str | None = param(None, "Actor id; default: hostname-pid (env ASYNCPPO_ACTOR_ID also sets it).")
+    id: str | None = param(
+        None, "Actor id; default: hostname-pid (env ASYNCPPO_ACTOR_ID also sets it)."
+    )
     engine: str = param(
-        "torch", "Inference engine: torch (CPU), sglang (GPU) or simulated (no model: random tokens, long-tailed latency)."
+        "torch",
+        "Inference engine: torch (CPU), sglang (GPU) or simulated (no model: random tokens, long-tailed latency).",
     )
     engine_dtype: str = param(
-        "auto", "Engine weight dtype: auto (the engine's default: torch float32, sglang bfloat16), float32 or bfloat16."
+        "auto",
+        "Engine weight dtype: auto (the engine's default: torch float32, sglang bfloat16), float32 or bfloat16.",
     )
     env: str = param("digits", "Environment name (see actors.envs.ENV_NAMES).")
     env_kwargs: dict = param({}, "Keyword arguments for the environment constructor.")
-    permits_per_request: int = param(4, "Episodes asked for at once; they are generated as one batch.")
+    permits_per_request: int = param(
+        4, "Episodes asked for at once; they are generated as one batch."
+    )
     group_size: int = param(1, "Episodes per prompt sharing a group_id (GRPO needs > 1).")
     temperature: float = param(1.0, "Sampling temperature (the learner applies the same one).")
     top_p: float = param(1.0, "Nucleus sampling threshold.")
     max_turns: int = param(50, "Turn budget of an episode; reaching it truncates the episode.")
     context_budget_tokens: int = param(
-        512, "When the context passes this many tokens the environment compacts and a new segment starts."
+        512,
+        "When the context passes this many tokens the environment compacts and a new segment starts.",
     )
     max_segment_steps: int = param(50, "Turns per segment before a dynamic-truncation cut.")
-    poll_every_tokens: int = param(16, "Check for new weights every this many generated tokens (mid-generation swap).")
+    poll_every_tokens: int = param(
+        16, "Check for new weights every this many generated tokens (mid-generation swap)."
+    )
     seed: int = param(0, "Base seed for environments and sampling.")
 
 
 @dataclass
 class LearnerConfig:
     broker: str = param("tcp://127.0.0.1:5555", "Broker endpoint the learner connects to.")
-    algorithm: str = param("ppo", "ppo (critic + GAE) or grpo (group-relative outcome advantage, no critic).")
-    batch_size: int = param(16, "Episodes per learner step (the broker's admission control uses it too).")
+    algorithm: str = param(
+        "ppo", "ppo (critic + GAE) or grpo (group-relative outcome advantage, no critic)."
+    )
+    batch_size: int = param(
+        16, "Episodes per learner step (the broker's admission control uses it too)."
+    )
     publish_every: int = param(1, "Publish a new policy version every this many learner steps.")
     total_steps: int = param(20, "Learner steps to train; 0 means run until stopped.")
     lr: float = param(1e-3, "Policy learning rate (AdamW).")
     critic_lr: float = param(2e-3, "Critic learning rate (AdamW).")
     weight_decay: float = param(0.0, "AdamW weight decay.")
     ppo_epochs: int = param(1, "Passes over each batch.")
-    micro_batch_tokens: int = param(4096, "Tokens per micro-batch (gradient accumulation splits larger batches).")
+    micro_batch_tokens: int = param(
+        4096, "Tokens per micro-batch (gradient accumulation splits larger batches)."
+    )
     gamma: float = param(1.0, "Discount factor.")
     lam: float = param(0.95, "GAE lambda of the policy advantages.")
-    critic_lam: float = param(1.0, "GAE lambda of the critic's returns (1 = Monte-Carlo style targets).")
-    adaptive_lambda_alpha: float | None = param(
-        None, "If set, the policy lambda = 1 - 1/(alpha*L) per segment of L action tokens (length-adaptive)."
+    critic_lam: float = param(
+        1.0, "GAE lambda of the critic's returns (1 = Monte-Carlo style targets)."
     )
-    correction: str = param("icepop", "Behavior-policy correction: icepop (mask), tis (truncate) or none.")
+    adaptive_lambda_alpha: float | None = param(
+        None,
+        "If set, the policy lambda = 1 - 1/(alpha*L) per segment of L action tokens (length-adaptive).",
+    )
+    correction: str = param(
+        "icepop", "Behavior-policy correction: icepop (mask), tis (truncate) or none."
+    )
     icepop_low: float = param(0.5, "IcePop: keep tokens whose pi_prox/mu is at least this.")
     icepop_high: float = param(5.0, "IcePop: keep tokens whose pi_prox/mu is at most this.")
     tis_cap: float = param(2.0, "Truncated importance sampling cap C in min(w, C).")
     clip_start: float = param(0.2, "PPO clip epsilon at the first step.")
     clip_end: float = param(0.05, "PPO clip epsilon at the last step (linear schedule).")
     value_clip: float = param(0.2, "Value-loss clip range.")
-    critic: str = param("separate", "Critic: separate (own model + scalar head) or shared (value head on the policy trunk).")
-    critic_warmup_steps: int = param(0, "Steps that train only the critic before policy updates start.")
+    critic: str = param(
+        "separate",
+        "Critic: separate (own model + scalar head) or shared (value head on the policy trunk).",
+    )
+    critic_warmup_steps: int = param(
+        0, "Steps that train only the critic before policy updates start."
+    )
     critic_updates: int = param(1, "Critic updates per policy update.")
     value_coef: float = param(0.5, "Weight of the value loss with a shared critic.")
     kl_coef: float = param(0.0, "KL penalty to the frozen initial policy (0 = off, the default).")
     zero_stage: int = param(1, "DeepSpeed ZeRO stage 0-3.")
     grad_clip: float = param(1.0, "Gradient-norm clipping.")
     checkpoint_dir: str | None = param(None, "Where checkpoints go; default <run dir>/checkpoints.")
-    checkpoint_every: int = param(0, "Checkpoint every k steps (0: only at the end and on SIGTERM).")
-    export_dir: str | None = param(None, "Write a Hugging Face save_pretrained copy of the policy here at the end.")
+    checkpoint_every: int = param(
+        0, "Checkpoint every k steps (0: only at the end and on SIGTERM)."
+    )
+    export_dir: str | None = param(
+        None, "Write a Hugging Face save_pretrained copy of the policy here at the end."
+    )
     weight_chunk_bytes: int = param(64 << 20, "Chunk size of published weights.")
     seed: int = param(0, "Seed of the learner.")
 
@@ -121,19 +165,27 @@ class LearnerConfig:
 @dataclass
 class SecurityConfig:
     curve: bool = param(False, "Encrypt and authenticate every socket with CurveZMQ.")
-    server_secret_key_file: str | None = param(None, "Broker: its secret key file (from `asyncppo keys generate`).")
+    server_secret_key_file: str | None = param(
+        None, "Broker: its secret key file (from `asyncppo keys generate`)."
+    )
     server_public_key_file: str | None = param(None, "Clients: the broker's public key file.")
     client_secret_key_file: str | None = param(None, "Actor/learner: its own secret key file.")
-    authorized_keys_dir: str | None = param(None, "Broker: directory of client public keys allowed to connect.")
+    authorized_keys_dir: str | None = param(
+        None, "Broker: directory of client public keys allowed to connect."
+    )
 
 
 @dataclass
 class RunConfig:
     out_dir: str = param("runs/default", "Run directory: logs, checkpoints, summary.")
     num_actors: int = param(2, "Actors `asyncppo up` starts (change live with `asyncppo scale`).")
-    max_wall_s: float = param(0.0, "Stop `asyncppo up` after this many seconds (0: when the learner finishes).")
+    max_wall_s: float = param(
+        0.0, "Stop `asyncppo up` after this many seconds (0: when the learner finishes)."
+    )
     metrics_host: str = param("127.0.0.1", "Address the /metrics and /healthz servers bind.")
-    metrics_base_port: int = param(0, "`up`: broker on this port, learner +1, actors +10..; 0 disables.")
+    metrics_base_port: int = param(
+        0, "`up`: broker on this port, learner +1, actors +10..; 0 disables."
+    )
     log_format: str = param("auto", "Logs: json, console or auto (console on a TTY).")
     log_level: str = param("info", "Log level.")
 
@@ -174,7 +226,9 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
         except ValueError:
             pass
     expected = typing.get_origin(annotation) or annotation
-    if expected is Any or (isinstance(value, expected) and not (expected is int and isinstance(value, bool))):
+    if expected is Any or (
+        isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+    ):
         return value
     raise ConfigError(
         f"config key '{key}' ({source}): expected {getattr(expected, '__name__', expected)}, "
@@ -186,11 +240,15 @@ def _merge(obj: Any, data: dict, prefix: str, source: str) -> None:
     hints = typing.get_type_hints(type(obj))
     known = {f.name: f for f in dataclasses.fields(obj)}
     if not isinstance(data, dict):
-        raise ConfigError(f"config section '{prefix or '<root>'}' ({source}): expected a mapping, got {data!r}")
+        raise ConfigError(
+            f"config section '{prefix or '<root>'}' ({source}): expected a mapping, got {data!r}"
+        )
     for name, value in data.items():
         key = f"{prefix}{name}"
         if name not in known:
-            raise ConfigError(f"unknown config key '{key}' ({source}); known keys here: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"unknown config key '{key}' ({source}); known keys here: {', '.join(sorted(known))}"
+            )
         current = getattr(obj, name)
         if dataclasses.is_dataclass(current):
             _merge(current, value, f"{key}.", source)
@@ -205,22 +263,38 @@ def validate(cfg: Config) -> Config:
         value = getattr(getattr(cfg, section), name)
         if value not in options:
             raise ConfigError(f"config key '{key}': {value!r} is not one of {', '.join(options)}")
-    positive = ["learner.batch_size", "learner.publish_every", "learner.ppo_epochs", "learner.micro_batch_tokens",
-                "learner.critic_updates", "learner.weight_chunk_bytes", "actor.permits_per_request",
-                "actor.group_size", "actor.max_turns", "actor.max_segment_steps", "broker.max_message_bytes"]
+    positive = [
+        "learner.batch_size",
+        "learner.publish_every",
+        "learner.ppo_epochs",
+        "learner.micro_batch_tokens",
+        "learner.critic_updates",
+        "learner.weight_chunk_bytes",
+        "actor.permits_per_request",
+        "actor.group_size",
+        "actor.max_turns",
+        "actor.max_segment_steps",
+        "broker.max_message_bytes",
+    ]
     for key in positive:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 1:
-            raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(getattr(cfg, section), name)!r}")
+            raise ConfigError(
+                f"config key '{key}' must be >= 1, got {getattr(getattr(cfg, section), name)!r}"
+            )
     if cfg.broker.max_staleness < 0:
-        raise ConfigError(f"config key 'broker.max_staleness' must be >= 0, got {cfg.broker.max_staleness}")
+        raise ConfigError(
+            f"config key 'broker.max_staleness' must be >= 0, got {cfg.broker.max_staleness}"
+        )
     if not 0 < cfg.learner.icepop_low <= 1 <= cfg.learner.icepop_high:
         raise ConfigError(
             "config keys 'learner.icepop_low'/'learner.icepop_high' need 0 < low <= 1 <= high, "
             f"got [{cfg.learner.icepop_low}, {cfg.learner.icepop_high}]"
         )
     if cfg.learner.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"config key 'learner.zero_stage' must be 0-3, got {cfg.learner.zero_stage}")
+        raise ConfigError(
+            f"config key 'learner.zero_stage' must be 0-3, got {cfg.learner.zero_stage}"
+        )
     if cfg.learner.algorithm == "grpo" and cfg.actor.group_size < 2:
         raise ConfigError("config key 'actor.group_size' must be >= 2 with learner.algorithm=grpo")
     if cfg.actor.permits_per_request % cfg.actor.group_size:
@@ -243,7 +317,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), (yaml.safe_load(raw) if raw.strip() else "")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
     """Defaults <- YAML file <- ``--set`` overrides, validated."""
     cfg = Config()
     if path is not None:

@@ -8,10 +8,16 @@ import sys
 import structlog
 
 
-def setup_logging(role: str, *, fmt: str = "auto", level: str = "info", **context: object) -> structlog.BoundLogger:
+def setup_logging(
+    role: str, *, fmt: str = "auto", level: str = "info", **context: object
+) -> structlog.BoundLogger:
     """Configure structlog once per process and return a logger bound to role (+ actor_id/rank ...)."""
     console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
-    renderer = structlog.dev.ConsoleRenderer(colors=False) if console else structlog.processors.JSONRenderer()
+    renderer = (
+        structlog.dev.ConsoleRenderer(colors=False)
+        if console
+        else structlog.processors.JSONRenderer()
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -19,7 +25,9 @@ def setup_logging(role: str, *, fmt: str = "auto", level: str = "info", **contex
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )

@@ -31,8 +31,12 @@ class Health:
     def status(self) -> tuple[bool, dict]:
         idle = time.monotonic() - self._last
         alive = idle < self.stall_s
-        return alive, {"alive": alive, "ready": self.ready, "seconds_since_progress": round(idle, 3),
-                       "waiting_for": self.waiting_for}
+        return alive, {
+            "alive": alive,
+            "ready": self.ready,
+            "seconds_since_progress": round(idle, 3),
+            "waiting_for": self.waiting_for,
+        }
 
 
 def serve_metrics(host: str, port: int, health: Health, role: str) -> ThreadingHTTPServer:
@@ -52,7 +56,11 @@ def serve_metrics(host: str, port: int, health: Health, role: str) -> ThreadingH
             elif path in ("/healthz", "/readyz"):
                 alive, info = health.status()
                 ok = alive if path == "/healthz" else alive and health.ready
-                body, ctype, code = json.dumps(info).encode(), "application/json", 200 if ok else 503
+                body, ctype, code = (
+                    json.dumps(info).encode(),
+                    "application/json",
+                    200 if ok else 503,
+                )
             else:
                 body, ctype, code = b"not found\n", "text/plain", 404
             self.send_response(code)

@@ -55,9 +55,17 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "HELLO": {"role": (_STR, True), "id": (_STR, True), "version": (_INT, True)},
     "PERMITS_REQ": {"n": (_INT, True), "version": (_INT, True)},
     "TRAJ": {
-        "permit": (_STR, True), "traj_id": (_STR, True), "episode_id": (_STR, True), "segment": (_INT, True),
-        "actor_id": (_STR, True), "task": (_STR, True), "group_id": (_OPT_STR, True), "last": (_BOOL, True),
-        "terminated": (_BOOL, True), "truncated": (_BOOL, True), "metrics": ((dict,), True),
+        "permit": (_STR, True),
+        "traj_id": (_STR, True),
+        "episode_id": (_STR, True),
+        "segment": (_INT, True),
+        "actor_id": (_STR, True),
+        "task": (_STR, True),
+        "group_id": (_OPT_STR, True),
+        "last": (_BOOL, True),
+        "terminated": (_BOOL, True),
+        "truncated": (_BOOL, True),
+        "metrics": ((dict,), True),
     },
     "HEARTBEAT": {"version": (_INT, True)},
     "BYE": {},
@@ -69,11 +77,20 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "PUBLISH_COMMIT": {"version": (_INT, True)},
     "STATS": {},
     # broker -> client
-    "WELCOME": {"latest_version": (_INT, True), "max_staleness": (_INT, True), "heartbeat_s": (_NUM, True)},
+    "WELCOME": {
+        "latest_version": (_INT, True),
+        "max_staleness": (_INT, True),
+        "heartbeat_s": (_NUM, True),
+    },
     "PERMITS": {"permits": ((list,), True), "latest_version": (_INT, True)},
     "WAIT": {"reason": (_STR, True), "retry_after_s": (_NUM, True), "latest_version": (_INT, True)},
     "ACK": {},
-    "ERROR": {"code": (_STR, True), "field": (_STR, True), "message": (_STR, True), "retryable": (_BOOL, True)},
+    "ERROR": {
+        "code": (_STR, True),
+        "field": (_STR, True),
+        "message": (_STR, True),
+        "retryable": (_BOOL, True),
+    },
     "HEARTBEAT_ACK": {"latest_version": (_INT, True)},
     "WEIGHTS_MANIFEST": {"manifest": ((dict,), True)},
     "WEIGHTS_CHUNK": {"version": (_INT, True), "chunk": (_INT, True)},
@@ -83,7 +100,9 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 
 
-def encode(kind: str, header: dict[str, Any] | None = None, tensors: dict[str, np.ndarray] | None = None) -> list:
+def encode(
+    kind: str, header: dict[str, Any] | None = None, tensors: dict[str, np.ndarray] | None = None
+) -> list:
     """Header + tensors -> frames. Arrays are sent as their own buffers (zero-copy with ``copy=False``)."""
     head = {"proto": PROTO, "kind": kind, **(header or {})}
     frames: list = [None]
@@ -109,9 +128,13 @@ def decode(frames: list, *, max_bytes: int | None = None) -> Message:
     views = [_frame_bytes(f) for f in frames]
     total = sum(v.nbytes for v in views)
     if max_bytes is not None and total > max_bytes:
-        raise ProtocolError("too_large", "frames", f"{total} bytes exceeds the limit of {max_bytes}")
+        raise ProtocolError(
+            "too_large", "frames", f"{total} bytes exceeds the limit of {max_bytes}"
+        )
     try:
-        head = msgpack.unpackb(views[0], raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
+        head = msgpack.unpackb(
+            views[0], raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0
+        )
     except Exception as exc:  # msgpack raises several unrelated types for garbage
         raise ProtocolError("bad_header", "frame0", f"not a msgpack map: {exc}") from None
     if not isinstance(head, dict):
@@ -139,42 +162,81 @@ def _validate(head: dict, views: list[memoryview]) -> Message:
             continue
         value = head[name]
         if not isinstance(value, types_) or (isinstance(value, bool) and bool not in types_):
-            raise ProtocolError("bad_type", name, f"expected {'/'.join(t.__name__ for t in types_)}, "
-                                                  f"got {type(value).__name__}")
+            raise ProtocolError(
+                "bad_type",
+                name,
+                f"expected {'/'.join(t.__name__ for t in types_)}, got {type(value).__name__}",
+            )
     tensors = _decode_tensors(head.get("tensors", {}), views)
     return Message(kind, head, tensors)
 
 
 def _decode_tensors(descs: Any, views: list[memoryview]) -> dict[str, np.ndarray]:
     if not isinstance(descs, dict) or len(descs) > MAX_TENSORS:
-        raise ProtocolError("bad_tensors", "tensors", f"expected a map of at most {MAX_TENSORS} descriptors")
+        raise ProtocolError(
+            "bad_tensors", "tensors", f"expected a map of at most {MAX_TENSORS} descriptors"
+        )
     if len(descs) != len(views) - 1:
-        raise ProtocolError("frame_count", "tensors", f"{len(descs)} tensors described, {len(views) - 1} frames sent")
+        raise ProtocolError(
+            "frame_count",
+            "tensors",
+            f"{len(descs)} tensors described, {len(views) - 1} frames sent",
+        )
     out: dict[str, np.ndarray] = {}
     used: set[int] = set()
     for name, desc in descs.items():
         where = f"tensors.{name}"
         if not isinstance(name, str) or not isinstance(desc, dict):
-            raise ProtocolError("bad_tensors", where, "descriptor must be a map under a string name")
+            raise ProtocolError(
+                "bad_tensors", where, "descriptor must be a map under a string name"
+            )
         dtype, shape, idx = desc.get("dtype"), desc.get("shape"), desc.get("frame")
         if dtype not in FRAME_DTYPES:
-            raise ProtocolError("bad_dtype", f"{where}.dtype", f"{dtype!r} not one of {sorted(FRAME_DTYPES)}")
-        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-            raise ProtocolError("bad_shape", f"{where}.shape", f"expected up to {MAX_NDIM} non-negative ints, got {shape!r}")
-        if not isinstance(idx, int) or isinstance(idx, bool) or not 1 <= idx < len(views) or idx in used:
-            raise ProtocolError("bad_frame", f"{where}.frame", f"frame index {idx!r} invalid or reused")
+            raise ProtocolError(
+                "bad_dtype", f"{where}.dtype", f"{dtype!r} not one of {sorted(FRAME_DTYPES)}"
+            )
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_NDIM
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise ProtocolError(
+                "bad_shape",
+                f"{where}.shape",
+                f"expected up to {MAX_NDIM} non-negative ints, got {shape!r}",
+            )
+        if (
+            not isinstance(idx, int)
+            or isinstance(idx, bool)
+            or not 1 <= idx < len(views)
+            or idx in used
+        ):
+            raise ProtocolError(
+                "bad_frame", f"{where}.frame", f"frame index {idx!r} invalid or reused"
+            )
         used.add(idx)
         np_dtype = np.dtype(dtype)
         expected = math.prod(shape) * np_dtype.itemsize
         if views[idx].nbytes != expected:
-            raise ProtocolError("size_mismatch", where, f"frame has {views[idx].nbytes} bytes, dtype {dtype} "
-                                                       f"shape {shape} needs {expected}")
+            raise ProtocolError(
+                "size_mismatch",
+                where,
+                f"frame has {views[idx].nbytes} bytes, dtype {dtype} "
+                f"shape {shape} needs {expected}",
+            )
         out[name] = np.frombuffer(views[idx], dtype=np_dtype).reshape(shape)
     return out
 
 
 def error_frames(exc: ProtocolError, req: int = 0) -> list:
     """The ERROR reply to a rejected message."""
-    return encode("ERROR", {"req": req, "code": exc.code, "field": exc.field, "message": exc.detail,
-                            "retryable": exc.retryable})
+    return encode(
+        "ERROR",
+        {
+            "req": req,
+            "code": exc.code,
+            "field": exc.field,
+            "message": exc.detail,
+            "retryable": exc.retryable,
+        },
+    )

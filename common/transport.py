@@ -74,17 +74,23 @@ class Endpoint:
     def server(self, bind: str) -> zmq.Socket:
         """The broker's ROUTER, with Curve server keys and an allow-list when security.curve is on."""
         sock = self.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises instead of vanishing
+        sock.setsockopt(
+            zmq.ROUTER_MANDATORY, 1
+        )  # a reply to a vanished peer raises instead of vanishing
         if self.security.curve:
             from zmq.auth.thread import ThreadAuthenticator
 
             keys_dir = self.security.authorized_keys_dir
             if not keys_dir or not Path(keys_dir).is_dir():
-                raise FileNotFoundError(f"security.authorized_keys_dir {keys_dir!r} is not a directory")
+                raise FileNotFoundError(
+                    f"security.authorized_keys_dir {keys_dir!r} is not a directory"
+                )
             self._auth = ThreadAuthenticator(self.ctx)
             self._auth.start()
             self._auth.configure_curve(domain="*", location=str(keys_dir))
-            public, secret = _keypair(self.security.server_secret_key_file, "security.server_secret_key_file")
+            public, secret = _keypair(
+                self.security.server_secret_key_file, "security.server_secret_key_file"
+            )
             sock.curve_secretkey = secret
             sock.curve_publickey = public
             sock.curve_server = True
@@ -94,10 +100,14 @@ class Endpoint:
     def client(self, connect: str) -> zmq.Socket:
         sock = self.socket(zmq.DEALER)
         if self.security.curve:
-            public, secret = _keypair(self.security.client_secret_key_file, "security.client_secret_key_file")
+            public, secret = _keypair(
+                self.security.client_secret_key_file, "security.client_secret_key_file"
+            )
             sock.curve_secretkey = secret
             sock.curve_publickey = public
-            sock.curve_serverkey = _public_key(self.security.server_public_key_file, "security.server_public_key_file")
+            sock.curve_serverkey = _public_key(
+                self.security.server_public_key_file, "security.server_public_key_file"
+            )
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # exponential backoff up to 5 s
         sock.connect(connect)
@@ -125,7 +135,9 @@ class Client:
     broker a fresh identity, so a restarted broker sees a clean peer.
     """
 
-    def __init__(self, endpoint: Endpoint, connect: str, client_id: str, *, timeout_s: float = 10.0):
+    def __init__(
+        self, endpoint: Endpoint, connect: str, client_id: str, *, timeout_s: float = 10.0
+    ):
         self.endpoint = endpoint
         self.connect = connect
         self.client_id = client_id
@@ -137,9 +149,14 @@ class Client:
         self.sock.close(linger=0)
         self.sock = self.endpoint.client(self.connect)
 
-    def _send(self, kind: str, header: dict[str, Any] | None, tensors: dict[str, np.ndarray] | None) -> int:
+    def _send(
+        self, kind: str, header: dict[str, Any] | None, tensors: dict[str, np.ndarray] | None
+    ) -> int:
         self._req += 1
-        send(self.sock, encode(kind, {**(header or {}), "id": self.client_id, "req": self._req}, tensors))
+        send(
+            self.sock,
+            encode(kind, {**(header or {}), "id": self.client_id, "req": self._req}, tensors),
+        )
         return self._req
 
     def _recv(self, kind: str, wanted: set[int], deadline: float) -> Message:
@@ -155,23 +172,42 @@ class Client:
             try:
                 msg = decode(frames, max_bytes=self.endpoint.max_message_bytes)
             except ProtocolError as exc:
-                raise TransportError(f"{kind}: bad reply from broker: {exc}", code="bad_reply") from None
+                raise TransportError(
+                    f"{kind}: bad reply from broker: {exc}", code="bad_reply"
+                ) from None
             if msg.req not in wanted:
                 continue
             if msg.kind == "ERROR":
-                raise TransportError(f"{kind} rejected: {msg.header['code']} in field "
-                                     f"'{msg.header['field']}': {msg.header['message']}",
-                                     code=msg.header["code"], retryable=msg.header["retryable"])
+                raise TransportError(
+                    f"{kind} rejected: {msg.header['code']} in field "
+                    f"'{msg.header['field']}': {msg.header['message']}",
+                    code=msg.header["code"],
+                    retryable=msg.header["retryable"],
+                )
             return msg
 
-    def request(self, kind: str, header: dict[str, Any] | None = None,
-                tensors: dict[str, np.ndarray] | None = None, *, timeout_s: float | None = None) -> Message:
+    def request(
+        self,
+        kind: str,
+        header: dict[str, Any] | None = None,
+        tensors: dict[str, np.ndarray] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> Message:
         """Send one request and wait for its reply. ERROR replies raise TransportError."""
         req = self._send(kind, header, tensors)
-        return self._recv(kind, {req}, time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
+        return self._recv(
+            kind, {req}, time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        )
 
-    def pipeline(self, kind: str, headers: list[dict[str, Any]], *, window: int = 4,
-                 tensors: list[dict[str, np.ndarray] | None] | None = None) -> list[Message]:
+    def pipeline(
+        self,
+        kind: str,
+        headers: list[dict[str, Any]],
+        *,
+        window: int = 4,
+        tensors: list[dict[str, np.ndarray] | None] | None = None,
+    ) -> list[Message]:
         """Many requests with up to ``window`` in flight (credit-based); replies in request order."""
         replies: dict[int, Message] = {}
         order: list[int] = []

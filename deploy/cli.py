@@ -23,23 +23,42 @@ from typing import Any
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file (defaults apply to everything it leaves out)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config key, e.g. --set learner.lr=1e-4 (repeatable)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve /metrics, /healthz and /readyz on this port (0: any free port)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key, e.g. --set learner.lr=1e-4 (repeatable)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics, /healthz and /readyz on this port (0: any free port)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asyncppo", description="Asynchronous actor-learner PPO for LM agents.")
+    parser = argparse.ArgumentParser(
+        prog="asyncppo", description="Asynchronous actor-learner PPO for LM agents."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_ in [("broker", "run the ZeroMQ broker"), ("learner", "run the DeepSpeed learner"),
-                        ("actor", "run one rollout actor")]:
+    for name, help_ in [
+        ("broker", "run the ZeroMQ broker"),
+        ("learner", "run the DeepSpeed learner"),
+        ("actor", "run one rollout actor"),
+    ]:
         _common(sp := sub.add_parser(name, help=help_))
         if name == "learner":
-            sp.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+            sp.add_argument(
+                "--resume", action="store_true", help="continue from the latest checkpoint"
+            )
     _common(up := sub.add_parser("up", help="run broker, learner and actors as local processes"))
     up.add_argument("--summary", help="write the JSON run summary here")
-    up.add_argument("--actors", type=int, default=None, help="number of actors (default: run.num_actors)")
+    up.add_argument(
+        "--actors", type=int, default=None, help="number of actors (default: run.num_actors)"
+    )
     sc = sub.add_parser("scale", help="set the number of actors of a running `asyncppo up`")
     sc.add_argument("--run-dir", required=True, help="run.out_dir of the running `up`")
     sc.add_argument("actors", type=int)
@@ -52,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("name", help="smollm2-135m-instruct (installed by `make smollm2`)")
     model.add_argument("--out", help="Hugging Face directory to write (default: runs/models/NAME)")
     _common(cf := sub.add_parser("config", help="print the merged configuration"))
-    cf.add_argument("--reference", action="store_true", help="print the reference of every key (markdown)")
+    cf.add_argument(
+        "--reference", action="store_true", help="print the reference of every key (markdown)"
+    )
     return parser
 
 
@@ -65,7 +86,10 @@ def _serve_role(role: str, args: argparse.Namespace, cfg: Any, **log_ctx: Any) -
     health = Health()
     if args.metrics_port is not None:
         server = serve_metrics(cfg.run.metrics_host, args.metrics_port, health, role)
-        log.info("metrics serving", url=f"http://{cfg.run.metrics_host}:{server.server_address[1]}/metrics")
+        log.info(
+            "metrics serving",
+            url=f"http://{cfg.run.metrics_host}:{server.server_address[1]}/metrics",
+        )
     return log, health
 
 
@@ -122,7 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         import yaml
 
-        print(reference_markdown() if args.reference else yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        print(
+            reference_markdown()
+            if args.reference
+            else yaml.safe_dump(to_dict(cfg), sort_keys=False),
+            end="",
+        )
         return 0
     Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
     if args.command == "up":

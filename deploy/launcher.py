@@ -32,7 +32,8 @@ class Launcher:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.base_cmd = [sys.executable, "-m", "deploy.cli"]
         self.role_args = (["--config", args.config] if args.config else []) + [
-            a for o in args.overrides for a in ("--set", o)]
+            a for o in args.overrides for a in ("--set", o)
+        ]
         self.actors: dict[str, subprocess.Popen] = {}
         self.retired: list[str] = []
         self.next_actor = 0
@@ -42,10 +43,16 @@ class Launcher:
 
     def _spawn(self, role: str, name: str, extra: list[str]) -> subprocess.Popen:
         port = self._port(role)
-        cmd = self.base_cmd + [role, *self.role_args, *extra] + (["--metrics-port", str(port)] if port else [])
+        cmd = (
+            self.base_cmd
+            + [role, *self.role_args, *extra]
+            + (["--metrics-port", str(port)] if port else [])
+        )
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "ASYNCPPO_ACTOR_ID": name}
         with open(self.logs / f"{name}.log", "ab") as out:
-            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            return subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     def _port(self, role: str) -> int | None:
         base = self.cfg.run.metrics_base_port
@@ -56,12 +63,18 @@ class Launcher:
     def start(self) -> None:
         from common.model import ensure_model
 
-        ensure_model(self.cfg.model.path, builtin=self.cfg.model.builtin)  # once, before the roles race for it
+        ensure_model(
+            self.cfg.model.path, builtin=self.cfg.model.builtin
+        )  # once, before the roles race for it
         self.broker = self._spawn("broker", "broker", [])
         self.learner = self._spawn("learner", "learner", [])
         self.scale_to(self.target)
-        self.stats_client = Client(Endpoint(self.cfg.security, self.cfg.broker.max_message_bytes),
-                                   self.cfg.learner.broker, f"launcher-{os.getpid()}", timeout_s=2.0)
+        self.stats_client = Client(
+            Endpoint(self.cfg.security, self.cfg.broker.max_message_bytes),
+            self.cfg.learner.broker,
+            f"launcher-{os.getpid()}",
+            timeout_s=2.0,
+        )
 
     def scale_to(self, n: int) -> None:
         """Start or stop actors until n run; stopping sends SIGTERM (the actor says BYE)."""
@@ -91,16 +104,22 @@ class Launcher:
     def progress(self, t0: float) -> None:
         steps, stats = self.steps(), self.broker_stats()
         if not steps:
-            print(f"[up] {time.monotonic() - t0:6.1f}s waiting for the first step | version "
-                  f"{stats.get('policy_version', '?')} | actors {stats.get('actors', '?')} | "
-                  f"queued {stats.get('queued_episodes', '?')}", flush=True)
+            print(
+                f"[up] {time.monotonic() - t0:6.1f}s waiting for the first step | version "
+                f"{stats.get('policy_version', '?')} | actors {stats.get('actors', '?')} | "
+                f"queued {stats.get('queued_episodes', '?')}",
+                flush=True,
+            )
             return
         s = steps[-1]
         total = self.cfg.learner.total_steps or "∞"
-        print(f"[up] {time.monotonic() - t0:6.1f}s step {s['step'] + 1}/{total} | version {s['version']} | "
-              f"reward {s['reward_mean']:.3f} | {s['tokens_per_second']:.0f} tok/s | staleness max "
-              f"{s['max_staleness']} | kept {s['icepop_kept_fraction']:.3f} | actors {stats.get('actors', '?')} | "
-              f"queued {stats.get('queued_episodes', '?')}", flush=True)
+        print(
+            f"[up] {time.monotonic() - t0:6.1f}s step {s['step'] + 1}/{total} | version {s['version']} | "
+            f"reward {s['reward_mean']:.3f} | {s['tokens_per_second']:.0f} tok/s | staleness max "
+            f"{s['max_staleness']} | kept {s['icepop_kept_fraction']:.3f} | actors {stats.get('actors', '?')} | "
+            f"queued {stats.get('queued_episodes', '?')}",
+            flush=True,
+        )
 
     def watch(self) -> int:
         """Until the learner exits, a deadline passes or we are told to stop."""

@@ -67,9 +67,18 @@ class Targets:
     lam: float  # the policy lambda used (length-adaptive or fixed)
 
 
-def segment_targets(seg: Segment, values: torch.Tensor, end_value: float, next_value: float | None, *,
-                    gamma: float, lam: float, critic_lam: float, adaptive_alpha: float | None,
-                    max_segment_steps: int) -> Targets:
+def segment_targets(
+    seg: Segment,
+    values: torch.Tensor,
+    end_value: float,
+    next_value: float | None,
+    *,
+    gamma: float,
+    lam: float,
+    critic_lam: float,
+    adaptive_alpha: float | None,
+    max_segment_steps: int,
+) -> Targets:
     """GAE for one segment, cut every ``max_segment_steps`` turns (each piece bootstrapped at its cut).
 
     ``values`` is V[t] aligned to tokens; ``end_value`` the critic's value after the segment's last
@@ -91,10 +100,24 @@ def segment_targets(seg: Segment, values: torch.Tensor, end_value: float, next_v
             terminated = seg.terminated
             boot = 0.0 if terminated else (next_value if next_value is not None else end_value)
         sl = slice(lo, hi)
-        adv[sl], _ = gae(rewards[sl], values[sl], mask[sl], gamma=gamma, lam=lam, terminated=terminated,
-                         bootstrap_value=boot)
-        _, ret[sl] = gae(rewards[sl], values[sl], mask[sl], gamma=gamma, lam=critic_lam, terminated=terminated,
-                         bootstrap_value=boot)
+        adv[sl], _ = gae(
+            rewards[sl],
+            values[sl],
+            mask[sl],
+            gamma=gamma,
+            lam=lam,
+            terminated=terminated,
+            bootstrap_value=boot,
+        )
+        _, ret[sl] = gae(
+            rewards[sl],
+            values[sl],
+            mask[sl],
+            gamma=gamma,
+            lam=critic_lam,
+            terminated=terminated,
+            bootstrap_value=boot,
+        )
     return Targets(adv, ret, lam)
 
 

@@ -46,8 +46,12 @@ class PolicyWithValue(nn.Module):
         self.policy = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         self.head = ValueHead(self.policy.config.hidden_size).to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.policy(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.policy(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
+        )
         return out.logits, self.head(out.hidden_states[-1])
 
 
@@ -62,7 +66,9 @@ class Policy(nn.Module):
         return self.policy(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """log pi(token_t | tokens_<t) for every position t >= 1, aligned to tokens; position 0 gets 0.
 
     The logits are divided by the actors' sampling temperature so the learner scores tokens under

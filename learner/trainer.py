@@ -57,26 +57,39 @@ log = structlog.get_logger()
 M_STEPS = Counter("asyncppo_learner_steps_total", "Learner optimisation steps.")
 M_TOKENS = Counter("asyncppo_learner_tokens_trained_total", "Action tokens trained on.")
 M_TRAJ = Counter("asyncppo_learner_trajectories_trained_total", "Segments trained on.")
-M_REJECTED = Counter("asyncppo_learner_segments_rejected_total", "Segments dropped: token ids outside the vocab.")
+M_REJECTED = Counter(
+    "asyncppo_learner_segments_rejected_total", "Segments dropped: token ids outside the vocab."
+)
 M_IDLE = Counter("asyncppo_learner_idle_seconds_total", "Seconds spent waiting for batches.")
-M_STEP_S = Histogram("asyncppo_learner_step_seconds", "Seconds per training step (excluding the wait).",
-                     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
-M_STALE = Histogram("asyncppo_learner_staleness", "Policy-version lag of trained action tokens.",
-                    buckets=(0, 1, 2, 3, 4, 6, 8, 16))
-M_LAST = Gauge("asyncppo_learner_last_step_timestamp_seconds", "Unix time of the last finished step.")
+M_STEP_S = Histogram(
+    "asyncppo_learner_step_seconds",
+    "Seconds per training step (excluding the wait).",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+)
+M_STALE = Histogram(
+    "asyncppo_learner_staleness",
+    "Policy-version lag of trained action tokens.",
+    buckets=(0, 1, 2, 3, 4, 6, 8, 16),
+)
+M_LAST = Gauge(
+    "asyncppo_learner_last_step_timestamp_seconds", "Unix time of the last finished step."
+)
 M_VERSION = Gauge("asyncppo_learner_policy_version", "Policy version the learner trains.")
-GAUGES = {name: Gauge(f"asyncppo_learner_{name}", doc) for name, doc in {
-    "policy_loss": "PPO policy loss of the last step.",
-    "value_loss": "Value loss of the last step.",
-    "clip_fraction": "Fraction of action tokens where the PPO clip was active.",
-    "approx_kl": "k3 estimate of KL(pi_prox || pi_theta).",
-    "icepop_kept_fraction": "Fraction of action tokens whose behavior weight was kept.",
-    "importance_weight_mean": "Mean behavior weight pi_prox/mu over action tokens.",
-    "importance_weight_max": "Largest behavior weight pi_prox/mu in the batch.",
-    "explained_variance": "1 - Var(R - V) / Var(R) of the critic.",
-    "grad_norm": "Policy gradient norm before clipping.",
-    "reward_mean": "Mean episode reward of the last batch.",
-}.items()}
+GAUGES = {
+    name: Gauge(f"asyncppo_learner_{name}", doc)
+    for name, doc in {
+        "policy_loss": "PPO policy loss of the last step.",
+        "value_loss": "Value loss of the last step.",
+        "clip_fraction": "Fraction of action tokens where the PPO clip was active.",
+        "approx_kl": "k3 estimate of KL(pi_prox || pi_theta).",
+        "icepop_kept_fraction": "Fraction of action tokens whose behavior weight was kept.",
+        "importance_weight_mean": "Mean behavior weight pi_prox/mu over action tokens.",
+        "importance_weight_max": "Largest behavior weight pi_prox/mu in the batch.",
+        "explained_variance": "1 - Var(R - V) / Var(R) of the critic.",
+        "grad_norm": "Policy gradient norm before clipping.",
+        "reward_mean": "Mean episode reward of the last batch.",
+    }.items()
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -88,7 +101,9 @@ def init_distributed() -> tuple[int, int]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
@@ -99,8 +114,11 @@ def broadcast_bytes(payload: bytes | None, rank: int) -> bytes:
 
     size = torch.tensor([len(payload) if rank == 0 else 0], dtype=torch.int64)
     dist.broadcast(size, 0)
-    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if rank == 0 else torch.empty(
-        int(size), dtype=torch.uint8)
+    buf = (
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if rank == 0
+        else torch.empty(int(size), dtype=torch.uint8)
+    )
     dist.broadcast(buf, 0)
     return buf.numpy().tobytes()
 
@@ -126,9 +144,12 @@ class Learner:
         self.use_critic = self.lc.algorithm == "ppo"
         path = cfg.model.path
         ds_config = {
-            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-            "gradient_clipping": self.lc.grad_clip, "zero_optimization": {"stage": self.lc.zero_stage},
-            "bf16": {"enabled": dtype == torch.bfloat16}, "zero_allow_untested_optimizer": True,
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": self.lc.grad_clip,
+            "zero_optimization": {"stage": self.lc.zero_stage},
+            "bf16": {"enabled": dtype == torch.bfloat16},
+            "zero_allow_untested_optimizer": True,
             "steps_per_print": 1 << 30,
         }
 
@@ -136,9 +157,17 @@ class Learner:
             opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=self.lc.weight_decay)
             return deepspeed.initialize(model=module, optimizer=opt, config=ds_config)[0]
 
-        self.policy = engine(PolicyWithValue(path, dtype) if self.shared else Policy(path, dtype), self.lc.lr)
-        self.critic = engine(Critic(path, dtype), self.lc.critic_lr) if self.use_critic and not self.shared else None
-        self.reference = Policy(path, dtype).eval().requires_grad_(False) if self.lc.kl_coef > 0 else None
+        self.policy = engine(
+            PolicyWithValue(path, dtype) if self.shared else Policy(path, dtype), self.lc.lr
+        )
+        self.critic = (
+            engine(Critic(path, dtype), self.lc.critic_lr)
+            if self.use_critic and not self.shared
+            else None
+        )
+        self.reference = (
+            Policy(path, dtype).eval().requires_grad_(False) if self.lc.kl_coef > 0 else None
+        )
         self.step = 0
         self.version = 0
         self.run_dir = Path(cfg.run.out_dir)
@@ -147,16 +176,29 @@ class Learner:
             self._load_checkpoint()
         self.client: Client | None = None
         if self.rank == 0:
-            self.client = Client(Endpoint(cfg.security, cfg.broker.max_message_bytes), self.lc.broker,
-                                 f"learner-{socket.gethostname()}-{os.getpid()}", timeout_s=60.0)
+            self.client = Client(
+                Endpoint(cfg.security, cfg.broker.max_message_bytes),
+                self.lc.broker,
+                f"learner-{socket.gethostname()}-{os.getpid()}",
+                timeout_s=60.0,
+            )
             self.steps_log = open(self.run_dir / "learner_steps.jsonl", "a")  # noqa: SIM115 (kept open)
         self._stop = False
-        log.info("learner ready", rank=self.rank, world=self.world, algorithm=self.lc.algorithm,
-                 critic=self.lc.critic if self.use_critic else None, zero_stage=self.lc.zero_stage,
-                 broker=self.lc.broker, step=self.step)
+        log.info(
+            "learner ready",
+            rank=self.rank,
+            world=self.world,
+            algorithm=self.lc.algorithm,
+            critic=self.lc.critic if self.use_critic else None,
+            zero_stage=self.lc.zero_stage,
+            broker=self.lc.broker,
+            step=self.step,
+        )
 
     # ------------------------------------------------------------ the model
-    def _forward(self, input_ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, input_ids: torch.Tensor, attn: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass per model: policy log-probs [B,T] aligned to tokens and the critic's raw outputs
         [B,T] (index t = the state after token t; None without a critic)."""
         if self.shared:
@@ -173,14 +215,23 @@ class Learner:
     def connect(self) -> None:
         """HELLO, then publish the starting weights under a version newer than any the broker has."""
         if self.rank == 0:
-            reply = self._call("HELLO", {"role": "learner", "version": self.version,
-                                         "batch_size": self.lc.batch_size, "publish_every": self.lc.publish_every})
+            reply = self._call(
+                "HELLO",
+                {
+                    "role": "learner",
+                    "version": self.version,
+                    "batch_size": self.lc.batch_size,
+                    "publish_every": self.lc.publish_every,
+                },
+            )
             latest = reply.header["latest_version"]
             self.version = max(self.version, latest + 1)
         self.version = int(all_reduce([float(self.version)], "max")[0])
         self.publish()
 
-    def _call(self, kind: str, header: dict | None = None, tensors: dict | None = None, **kw: Any) -> Any:
+    def _call(
+        self, kind: str, header: dict | None = None, tensors: dict | None = None, **kw: Any
+    ) -> Any:
         """Requests to the broker survive its restarts: retry with backoff, say HELLO again if forgotten."""
         assert self.client is not None
         delay = 0.2
@@ -199,8 +250,15 @@ class Learner:
 
     def connect_hello(self) -> None:
         assert self.client is not None
-        self.client.request("HELLO", {"role": "learner", "version": self.version,
-                                      "batch_size": self.lc.batch_size, "publish_every": self.lc.publish_every})
+        self.client.request(
+            "HELLO",
+            {
+                "role": "learner",
+                "version": self.version,
+                "batch_size": self.lc.batch_size,
+                "publish_every": self.lc.publish_every,
+            },
+        )
 
     def publish(self) -> None:
         """Export the full state dict (tied tensors once), chunk it, push it; visible on COMMIT."""
@@ -212,17 +270,25 @@ class Learner:
                 try:
                     self._call("PUBLISH_BEGIN", {"manifest": manifest})
                     assert self.client is not None
-                    self.client.pipeline("PUBLISH_CHUNK", [{"version": self.version, "chunk": i}
-                                                           for i in range(len(chunks))],
-                                         tensors=[{"data": np.frombuffer(c, dtype=np.uint8)} for c in chunks])
+                    self.client.pipeline(
+                        "PUBLISH_CHUNK",
+                        [{"version": self.version, "chunk": i} for i in range(len(chunks))],
+                        tensors=[{"data": np.frombuffer(c, dtype=np.uint8)} for c in chunks],
+                    )
                     self._call("PUBLISH_COMMIT", {"version": self.version})
                     break
                 except TransportError as exc:  # broker restarted mid-publish: start over
-                    log.warning("publish interrupted, retrying", version=self.version, error=str(exc))
+                    log.warning(
+                        "publish interrupted, retrying", version=self.version, error=str(exc)
+                    )
                     time.sleep(0.5)
                     self.connect_hello()
-            log.info("published weights", version=self.version, bytes=manifest["total_bytes"],
-                     seconds=round(time.monotonic() - t0, 3))
+            log.info(
+                "published weights",
+                version=self.version,
+                bytes=manifest["total_bytes"],
+                seconds=round(time.monotonic() - t0, 3),
+            )
         M_VERSION.set(self.version)
         bind_version(self.version)
 
@@ -238,8 +304,11 @@ class Learner:
         if self.rank != 0:
             return {}
         prefix, tied = "policy.", tied_keys(module)
-        return {name: tensor for key, tensor in state.items()
-                if key.startswith(prefix) and (name := key[len(prefix):]) not in tied}
+        return {
+            name: tensor
+            for key, tensor in state.items()
+            if key.startswith(prefix) and (name := key[len(prefix) :]) not in tied
+        }
 
     def _get_batch(self) -> list[Segment]:
         """Rank 0 waits for a batch; every rank gets the same segments, validated by the wire decoder."""
@@ -249,20 +318,35 @@ class Learner:
             publishes_after = (self.step + 1) % self.lc.publish_every == 0
             while not self._stop:
                 self.health.beat("batch from broker")
-                reply = self._call("GET_BATCH", {"version": self.version, "n": self.lc.batch_size,
-                                                 "publishes_after": publishes_after})
+                reply = self._call(
+                    "GET_BATCH",
+                    {
+                        "version": self.version,
+                        "n": self.lc.batch_size,
+                        "publishes_after": publishes_after,
+                    },
+                )
                 if reply.kind == "BATCH":
                     msg = reply
                     break
                 log.info("waiting for a batch", broker_says=reply.header["reason"])
             M_IDLE.inc(time.monotonic() - t0)
         if self.world > 1:
-            frames = [bytes(f) for f in encode("BATCH", msg.header, msg.tensors)] if msg is not None else []
-            payload = broadcast_bytes(msgpack.packb(frames, use_bin_type=True) if frames else b"", self.rank)
+            frames = (
+                [bytes(f) for f in encode("BATCH", msg.header, msg.tensors)]
+                if msg is not None
+                else []
+            )
+            payload = broadcast_bytes(
+                msgpack.packb(frames, use_bin_type=True) if frames else b"", self.rank
+            )
             msg = decode(msgpack.unpackb(payload, raw=False)) if payload else None
         if msg is None:
             return []
-        segs = [Segment.from_wire(h, msg.tensors, prefix=f"{i}.") for i, h in enumerate(msg.header["segments"])]
+        segs = [
+            Segment.from_wire(h, msg.tensors, prefix=f"{i}.")
+            for i, h in enumerate(msg.header["segments"])
+        ]
         return self._within_vocab(segs)
 
     def _within_vocab(self, segs: list[Segment]) -> list[Segment]:
@@ -271,13 +355,18 @@ class Learner:
         bad = {s.episode_id for s in segs if int(s.tokens.max()) >= vocab}
         if bad:
             M_REJECTED.inc(sum(s.episode_id in bad for s in segs))
-            log.error("segments with token ids outside the vocabulary dropped", episodes=len(bad), vocab_size=vocab)
+            log.error(
+                "segments with token ids outside the vocabulary dropped",
+                episodes=len(bad),
+                vocab_size=vocab,
+            )
         return [s for s in segs if s.episode_id not in bad]
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
-    def _score(self, segs: list[Segment]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float],
-                                                    list[torch.Tensor] | None]:
+    def _score(
+        self, segs: list[Segment]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float], list[torch.Tensor] | None]:
         """No-grad pass: log π_prox, V aligned to tokens, V after the last token, reference log-probs."""
         prox, values, end_values, ref = [], [], [], [] if self.reference is not None else None
         for idx in data.micro_batches(segs, self.lc.micro_batch_tokens):
@@ -286,15 +375,24 @@ class Learner:
             v = shift_to_tokens(raw) if raw is not None else torch.zeros_like(lp)
             # The value after each segment's last token: the bootstrap at a cut with no next segment.
             vend = [float(raw[j, n - 1]) if raw is not None else 0.0 for j, n in enumerate(lens)]
-            r = token_logprobs(self.reference(ids, attn), ids, self.cfg.actor.temperature) if ref is not None else None
+            r = (
+                token_logprobs(self.reference(ids, attn), ids, self.cfg.actor.temperature)
+                if ref is not None
+                else None
+            )
             for j, i in enumerate(idx):
-                prox.append((i, lp[j, :lens[j]]))
-                values.append((i, v[j, :lens[j]]))
+                prox.append((i, lp[j, : lens[j]]))
+                values.append((i, v[j, : lens[j]]))
                 end_values.append((i, vend[j]))
                 if ref is not None:
-                    ref.append((i, r[j, :lens[j]]))
+                    ref.append((i, r[j, : lens[j]]))
         order = lambda pairs: [t for _, t in sorted(pairs, key=lambda p: p[0])]  # noqa: E731
-        return order(prox), order(values), order(end_values), order(ref) if ref is not None else None
+        return (
+            order(prox),
+            order(values),
+            order(end_values),
+            order(ref) if ref is not None else None,
+        )
 
     @staticmethod
     def _inputs(segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -307,8 +405,16 @@ class Learner:
         lc = self.lc
         t0 = time.monotonic()
         episodes = data.group_episodes(batch)
-        grpo_adv = ({s.traj_id: a for s, a in zip([s for ep in episodes for s in ep], data.grpo_targets(episodes),
-                                                   strict=True)} if lc.algorithm == "grpo" else {})
+        grpo_adv = (
+            {
+                s.traj_id: a
+                for s, a in zip(
+                    [s for ep in episodes for s in ep], data.grpo_targets(episodes), strict=True
+                )
+            }
+            if lc.algorithm == "grpo"
+            else {}
+        )
         mine = data.split_for_rank(episodes, self.rank, self.world)
         segs = [s for ep in mine for s in ep]
         prox, values, end_values, ref = self._score(segs)
@@ -320,11 +426,27 @@ class Learner:
                 advs.append(grpo_adv[seg.traj_id])
                 rets.append(torch.zeros(seg.num_tokens))
                 continue
-            nxt = segs[i + 1] if i + 1 < len(segs) and segs[i + 1].episode_id == seg.episode_id else None
-            next_value = float(values[i + 1][data.turn_starts(torch.from_numpy(nxt.action_mask))[0]]) if nxt else None
-            t = data.segment_targets(seg, values[i], end_values[i], next_value, gamma=lc.gamma, lam=lc.lam,
-                                     critic_lam=lc.critic_lam, adaptive_alpha=lc.adaptive_lambda_alpha,
-                                     max_segment_steps=self.cfg.actor.max_segment_steps)
+            nxt = (
+                segs[i + 1]
+                if i + 1 < len(segs) and segs[i + 1].episode_id == seg.episode_id
+                else None
+            )
+            next_value = (
+                float(values[i + 1][data.turn_starts(torch.from_numpy(nxt.action_mask))[0]])
+                if nxt
+                else None
+            )
+            t = data.segment_targets(
+                seg,
+                values[i],
+                end_values[i],
+                next_value,
+                gamma=lc.gamma,
+                lam=lc.lam,
+                critic_lam=lc.critic_lam,
+                adaptive_alpha=lc.adaptive_lambda_alpha,
+                max_segment_steps=self.cfg.actor.max_segment_steps,
+            )
             advs.append(t.advantages)
             rets.append(t.returns)
 
@@ -343,13 +465,21 @@ class Learner:
             keeps.append(k & m)
 
         local_tokens = float(sum(int(m.sum()) for m in masks))
-        n_tokens, = all_reduce([local_tokens])
+        (n_tokens,) = all_reduce([local_tokens])
         denominator = max(n_tokens, 1.0)
         mbs = data.micro_batches(segs, lc.micro_batch_tokens)
         n_micro = int(all_reduce([float(len(mbs))], "max")[0])
-        clip = clip_schedule(self.step, max(lc.total_steps, 1), start=lc.clip_start, end=lc.clip_end)
+        clip = clip_schedule(
+            self.step, max(lc.total_steps, 1), start=lc.clip_start, end=lc.clip_end
+        )
         train_policy = self.step >= lc.critic_warmup_steps
-        sums = {"policy_loss": 0.0, "value_loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "grad_norm": 0.0}
+        sums = {
+            "policy_loss": 0.0,
+            "value_loss": 0.0,
+            "clip_fraction": 0.0,
+            "approx_kl": 0.0,
+            "grad_norm": 0.0,
+        }
 
         def run_micro(engine: Any, loss_fn: Callable[[list[int]], torch.Tensor]) -> float:
             """Accumulate over the same number of micro-batches on every rank, then step once.
@@ -361,7 +491,11 @@ class Learner:
                 engine.set_gradient_accumulation_boundary(j == n_micro - 1)
                 loss = loss_fn(mbs[j]) if j < len(mbs) else self._zero_loss(engine)
                 engine.backward(loss * self.world, scale_wrt_gas=False)
-            grads = [p.grad for p in engine.module.parameters() if p.grad is not None] if lc.zero_stage == 0 else None
+            grads = (
+                [p.grad for p in engine.module.parameters() if p.grad is not None]
+                if lc.zero_stage == 0
+                else None
+            )
             norm = torch.nn.utils.get_total_norm(grads) if grads is not None else None
             engine.step()
             return float(engine.get_global_grad_norm() if norm is None else norm)
@@ -372,16 +506,33 @@ class Learner:
             logits = out[0] if self.shared else out
             lp = token_logprobs(logits, ids, self.cfg.actor.temperature)
             cat = lambda xs: data.pad([xs[i] for i in idx])  # noqa: E731
-            loss, stats = ppo_policy_loss(lp, cat(prox), cat(advs), cat(weights), cat(masks), clip_low=clip,
-                                          clip_high=clip, denominator=denominator)
+            loss, stats = ppo_policy_loss(
+                lp,
+                cat(prox),
+                cat(advs),
+                cat(weights),
+                cat(masks),
+                clip_low=clip,
+                clip_high=clip,
+                denominator=denominator,
+            )
             sums["policy_loss"] += float(loss)
             sums["clip_fraction"] += float(stats["clip_fraction"])
             sums["approx_kl"] += float(stats["approx_kl"])
             if self.reference is not None:
-                loss = loss + lc.kl_coef * kl_penalty(lp, cat(ref), cat(masks), denominator=denominator)
+                loss = loss + lc.kl_coef * kl_penalty(
+                    lp, cat(ref), cat(masks), denominator=denominator
+                )
             if self.shared:
                 v = shift_to_tokens(out[1])
-                vl = value_loss(v, cat(values), cat(rets), cat(masks), clip=lc.value_clip, denominator=denominator)
+                vl = value_loss(
+                    v,
+                    cat(values),
+                    cat(rets),
+                    cat(masks),
+                    clip=lc.value_clip,
+                    denominator=denominator,
+                )
                 sums["value_loss"] += float(vl)
                 loss = (loss if train_policy else loss * 0) + lc.value_coef * vl
             return loss
@@ -390,7 +541,9 @@ class Learner:
             ids, attn, _ = self._inputs([segs[i] for i in idx])
             v = shift_to_tokens(self.critic(ids, attn))
             cat = lambda xs: data.pad([xs[i] for i in idx])  # noqa: E731
-            vl = value_loss(v, cat(values), cat(rets), cat(masks), clip=lc.value_clip, denominator=denominator)
+            vl = value_loss(
+                v, cat(values), cat(rets), cat(masks), clip=lc.value_clip, denominator=denominator
+            )
             sums["value_loss"] += float(vl) / lc.critic_updates
             return vl
 
@@ -405,30 +558,71 @@ class Learner:
 
         # Statistics over the global batch (every rank contributes its sums).
         kept = float(sum(int(k.sum()) for k in keeps))
-        ratio = [torch.exp(torch.clamp(p[m] - b[m], -20, 20)) for p, b, m in zip(prox, behavior, masks, strict=True)]
-        w_sum = float(sum(float(r.sum()) for r in ratio))  # the raw pi_prox/mu, before masking or truncation
+        ratio = [
+            torch.exp(torch.clamp(p[m] - b[m], -20, 20))
+            for p, b, m in zip(prox, behavior, masks, strict=True)
+        ]
+        w_sum = float(
+            sum(float(r.sum()) for r in ratio)
+        )  # the raw pi_prox/mu, before masking or truncation
         ratio_max = max((float(r.max()) for r in ratio if r.numel()), default=0.0)
-        ret_all = torch.cat([r[m] for r, m in zip(rets, masks, strict=True)]) if segs else torch.zeros(0)
-        val_all = torch.cat([v[m] for v, m in zip(values, masks, strict=True)]) if segs else torch.zeros(0)
-        g = all_reduce([sums["policy_loss"], sums["value_loss"], sums["clip_fraction"], sums["approx_kl"], kept,
-                        w_sum, float(((ret_all - val_all) ** 2).sum()), float(ret_all.sum()),
-                        float((ret_all ** 2).sum())])
+        ret_all = (
+            torch.cat([r[m] for r, m in zip(rets, masks, strict=True)]) if segs else torch.zeros(0)
+        )
+        val_all = (
+            torch.cat([v[m] for v, m in zip(values, masks, strict=True)])
+            if segs
+            else torch.zeros(0)
+        )
+        g = all_reduce(
+            [
+                sums["policy_loss"],
+                sums["value_loss"],
+                sums["clip_fraction"],
+                sums["approx_kl"],
+                kept,
+                w_sum,
+                float(((ret_all - val_all) ** 2).sum()),
+                float(ret_all.sum()),
+                float((ret_all**2).sum()),
+            ]
+        )
         ratio_max = all_reduce([ratio_max], "max")[0]
-        staleness = [self.version - int(v) for s in batch for v in s.versions[s.action_mask.astype(bool)]]
+        staleness = [
+            self.version - int(v) for s in batch for v in s.versions[s.action_mask.astype(bool)]
+        ]
         var_r = g[8] / denominator - (g[7] / denominator) ** 2
         rewards = data.episode_rewards(episodes)
         seconds = time.monotonic() - t0
         stats = {
-            "step": self.step, "version": self.version, "policy_loss": g[0], "value_loss": g[1],
-            "clip_fraction": g[2], "approx_kl": g[3], "icepop_kept_fraction": g[4] / denominator,
-            "importance_weight_mean": g[5] / denominator, "importance_weight_max": ratio_max,
-            "explained_variance": (1 - (g[6] / denominator) / var_r) if self.use_critic and var_r > 1e-12 else 0.0,
-            "grad_norm": sums["grad_norm"], "reward_mean": float(np.mean(rewards)), "episode_rewards": rewards,
-            "episodes": len(episodes), "segments": len(batch), "tokens": int(n_tokens),
-            "max_staleness": max(staleness), "staleness_histogram": np.bincount(staleness).tolist(),
-            "step_seconds": seconds, "tokens_per_second": n_tokens / max(seconds, 1e-9), "clip": clip,
-            "actors": sorted({s.actor_id for s in batch}), "time": time.time(),
-            "traj_ids": [s.traj_id for s in batch],  # lets a reader check no segment is trained twice
+            "step": self.step,
+            "version": self.version,
+            "policy_loss": g[0],
+            "value_loss": g[1],
+            "clip_fraction": g[2],
+            "approx_kl": g[3],
+            "icepop_kept_fraction": g[4] / denominator,
+            "importance_weight_mean": g[5] / denominator,
+            "importance_weight_max": ratio_max,
+            "explained_variance": (1 - (g[6] / denominator) / var_r)
+            if self.use_critic and var_r > 1e-12
+            else 0.0,
+            "grad_norm": sums["grad_norm"],
+            "reward_mean": float(np.mean(rewards)),
+            "episode_rewards": rewards,
+            "episodes": len(episodes),
+            "segments": len(batch),
+            "tokens": int(n_tokens),
+            "max_staleness": max(staleness),
+            "staleness_histogram": np.bincount(staleness).tolist(),
+            "step_seconds": seconds,
+            "tokens_per_second": n_tokens / max(seconds, 1e-9),
+            "clip": clip,
+            "actors": sorted({s.actor_id for s in batch}),
+            "time": time.time(),
+            "traj_ids": [
+                s.traj_id for s in batch
+            ],  # lets a reader check no segment is trained twice
         }
         return stats
 
@@ -454,10 +648,17 @@ class Learner:
             gauge.set(stats[name])
         self.steps_log.write(json.dumps(stats) + "\n")
         self.steps_log.flush()
-        log.info("step", step=stats["step"], reward=round(stats["reward_mean"], 4), tokens=stats["tokens"],
-                 policy_loss=round(stats["policy_loss"], 5), value_loss=round(stats["value_loss"], 5),
-                 kept=round(stats["icepop_kept_fraction"], 4), staleness_max=stats["max_staleness"],
-                 seconds=round(stats["step_seconds"], 3))
+        log.info(
+            "step",
+            step=stats["step"],
+            reward=round(stats["reward_mean"], 4),
+            tokens=stats["tokens"],
+            policy_loss=round(stats["policy_loss"], 5),
+            value_loss=round(stats["value_loss"], 5),
+            kept=round(stats["icepop_kept_fraction"], 4),
+            staleness_max=stats["max_staleness"],
+            seconds=round(stats["step_seconds"], 3),
+        )
 
     # --------------------------------------------------------------- loop
     def run(self) -> None:
@@ -493,19 +694,27 @@ class Learner:
         """DeepSpeed checkpoint (weights + optimizer) with the version counter and step."""
         tag = f"step{self.step}"
         client_state = {"step": self.step, "version": self.version}
-        self.policy.save_checkpoint(str(self.ckpt_dir / "policy"), tag=tag, client_state=client_state)
+        self.policy.save_checkpoint(
+            str(self.ckpt_dir / "policy"), tag=tag, client_state=client_state
+        )
         if self.critic is not None:
-            self.critic.save_checkpoint(str(self.ckpt_dir / "critic"), tag=tag, client_state=client_state)
+            self.critic.save_checkpoint(
+                str(self.ckpt_dir / "critic"), tag=tag, client_state=client_state
+            )
         log.info("checkpoint saved", dir=str(self.ckpt_dir), step=self.step, version=self.version)
 
     def _load_checkpoint(self) -> None:
         if not (self.ckpt_dir / "policy" / "latest").exists():
-            raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir}/policy (no 'latest' file)")
+            raise FileNotFoundError(
+                f"--resume: no checkpoint under {self.ckpt_dir}/policy (no 'latest' file)"
+            )
         _, client = self.policy.load_checkpoint(str(self.ckpt_dir / "policy"))
         if self.critic is not None:
             self.critic.load_checkpoint(str(self.ckpt_dir / "critic"))
         self.step, self.version = client["step"], client["version"]
-        log.info("resumed from checkpoint", dir=str(self.ckpt_dir), step=self.step, version=self.version)
+        log.info(
+            "resumed from checkpoint", dir=str(self.ckpt_dir), step=self.step, version=self.version
+        )
 
     def export(self, out_dir: str) -> None:
         """A Hugging Face ``save_pretrained`` directory of the policy (and its tokenizer)."""

@@ -39,8 +39,15 @@ class Procs:
     def start(self, args: list[str], log: Path, **kw) -> subprocess.Popen:
         out = open(log, "ab")  # noqa: SIM115 (owned by the process)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
-        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                                cwd=ROOT, env=env, start_new_session=True, **kw)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,
+            **kw,
+        )
         self.procs.append(proc)
         return proc
 

@@ -16,27 +16,38 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_defaults_yaml_and_overrides_merge(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("learner:\n  lr: 1e-4\n  batch_size: 4\nactor:\n  env: maze\n")
-    cfg = load_config(path, ["learner.batch_size=8", "broker.spool_dir=/tmp/x", "actor.env_kwargs={max_turns: 10}"])
-    assert cfg.learner.lr == 1e-4  # YAML 1.1 reads 1e-4 as a string; a float field takes it as a number
+    cfg = load_config(
+        path,
+        ["learner.batch_size=8", "broker.spool_dir=/tmp/x", "actor.env_kwargs={max_turns: 10}"],
+    )
+    assert (
+        cfg.learner.lr == 1e-4
+    )  # YAML 1.1 reads 1e-4 as a string; a float field takes it as a number
     assert cfg.learner.batch_size == 8 and cfg.actor.env == "maze"
     assert cfg.broker.spool_dir == "/tmp/x" and cfg.actor.env_kwargs == {"max_turns": 10}
     assert cfg.learner.gamma == 1.0  # untouched default
 
 
-@pytest.mark.parametrize(("override", "needle"), [
-    ("learner.lrr=1", "unknown config key 'learner.lrr'"),
-    ("nosection.x=1", "unknown config key 'nosection'"),
-    ("learner.lr=fast", "config key 'learner.lr' (--set learner.lr=fast): expected float, got str 'fast'"),
-    ("learner.batch_size=2.5", "expected int, got float 2.5"),
-    ("learner.batch_size=true", "expected int, got bool True"),
-    ("actor.engine=vllm", "'actor.engine': 'vllm' is not one of torch, sglang"),
-    ("learner.batch_size=0", "'learner.batch_size' must be >= 1"),
-    ("broker.max_staleness=-1", "'broker.max_staleness' must be >= 0"),
-    ("learner.icepop_low=2", "need 0 < low <= 1 <= high"),
-    ("learner.zero_stage=4", "must be 0-3"),
-    ("learner=3", "config section 'learner.' "),
-    ("novalue", "expected KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("learner.lrr=1", "unknown config key 'learner.lrr'"),
+        ("nosection.x=1", "unknown config key 'nosection'"),
+        (
+            "learner.lr=fast",
+            "config key 'learner.lr' (--set learner.lr=fast): expected float, got str 'fast'",
+        ),
+        ("learner.batch_size=2.5", "expected int, got float 2.5"),
+        ("learner.batch_size=true", "expected int, got bool True"),
+        ("actor.engine=vllm", "'actor.engine': 'vllm' is not one of torch, sglang"),
+        ("learner.batch_size=0", "'learner.batch_size' must be >= 1"),
+        ("broker.max_staleness=-1", "'broker.max_staleness' must be >= 0"),
+        ("learner.icepop_low=2", "need 0 < low <= 1 <= high"),
+        ("learner.zero_stage=4", "must be 0-3"),
+        ("learner=3", "config section 'learner.' "),
+        ("novalue", "expected KEY=VALUE"),
+    ],
+)
 def test_bad_overrides_name_key_and_value(override, needle):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
@@ -59,7 +70,9 @@ def test_file_errors_name_the_file(tmp_path):
 def test_grpo_needs_groups():
     with pytest.raises(ConfigError, match="group_size"):
         load_config(None, ["learner.algorithm=grpo"])
-    cfg = load_config(None, ["learner.algorithm=grpo", "actor.group_size=4", "actor.permits_per_request=8"])
+    cfg = load_config(
+        None, ["learner.algorithm=grpo", "actor.group_size=4", "actor.permits_per_request=8"]
+    )
     assert cfg.actor.group_size == 4
 
 
@@ -70,7 +83,12 @@ def test_every_shipped_config_loads():
 
 def test_reference_lists_every_key():
     ref = reference_markdown()
-    for key in ("learner.icepop_low", "broker.max_staleness", "actor.context_budget_tokens", "security.curve"):
+    for key in (
+        "learner.icepop_low",
+        "broker.max_staleness",
+        "actor.context_budget_tokens",
+        "security.curve",
+    ):
         assert f"`{key}`" in ref
 
 
@@ -81,13 +99,21 @@ def test_readme_reference_is_current():
 
 
 def test_cli_help_imports_nothing_heavy_and_config_errors_exit_2():
-    out = subprocess.run([sys.executable, "-m", "deploy.cli", "--help"], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "--help"], capture_output=True, text=True, cwd=ROOT
+    )
     assert out.returncode == 0 and "broker" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "deploy.cli", "broker", "--set", "broker.max_staleness=x"],
-                         capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "broker", "--set", "broker.max_staleness=x"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert out.returncode == 2 and "broker.max_staleness" in out.stderr
-    probe = ("import sys, deploy.cli; deploy.cli.build_parser()\n"
-             "try:\n    deploy.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
-             "print(sorted(m for m in ('torch', 'deepspeed', 'transformers', 'zmq') if m in sys.modules))")
+    probe = (
+        "import sys, deploy.cli; deploy.cli.build_parser()\n"
+        "try:\n    deploy.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'deepspeed', 'transformers', 'zmq') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -13,29 +13,58 @@ from conftest import free_port
 
 def smoke_args(tmp_path, tiny_model, port: int, *extra: str) -> list[str]:
     endpoint = f"tcp://127.0.0.1:{port}"
-    return ["up", "--config", "configs/smoke.yaml", "--set", f"broker.bind={endpoint}",
-            "--set", f"actor.broker={endpoint}", "--set", f"learner.broker={endpoint}",
-            "--set", f"model.path={tiny_model}", "--set", f"run.out_dir={tmp_path / 'run'}", *extra]
+    return [
+        "up",
+        "--config",
+        "configs/smoke.yaml",
+        "--set",
+        f"broker.bind={endpoint}",
+        "--set",
+        f"actor.broker={endpoint}",
+        "--set",
+        f"learner.broker={endpoint}",
+        "--set",
+        f"model.path={tiny_model}",
+        "--set",
+        f"run.out_dir={tmp_path / 'run'}",
+        *extra,
+    ]
 
 
 def test_smoke_run_trains_and_every_actor_gets_new_weights(tmp_path, tiny_model, procs):
     metrics = free_port()
     summary_path = tmp_path / "summary.json"
-    proc = procs.start(smoke_args(tmp_path, tiny_model, free_port(), "--set", f"run.metrics_base_port={metrics}",
-                                  "--summary", str(summary_path)), tmp_path / "up.log")
+    proc = procs.start(
+        smoke_args(
+            tmp_path,
+            tiny_model,
+            free_port(),
+            "--set",
+            f"run.metrics_base_port={metrics}",
+            "--summary",
+            str(summary_path),
+        ),
+        tmp_path / "up.log",
+    )
     scraped = {}
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
         for role, port in (("broker", metrics), ("learner", metrics + 1), ("actor", metrics + 10)):
             with contextlib.suppress(OSError):  # not up yet, or already gone
-                scraped[role] = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                scraped[role] = (
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+                    .read()
+                    .decode()
+                )
         time.sleep(1)
     assert proc.wait(timeout=30) == 0, (tmp_path / "up.log").read_text()[-3000:]
     s = json.loads(summary_path.read_text())
     assert s["learner_steps"] == 4
     assert s["policy_version"] >= 2
     assert s["trajectories_trained"] == 4 * 8 and s["tokens_trained"] > 0
-    assert s["actors"] == 2 and all(v >= 2 for v in s["actor_versions"].values()), s["actor_versions"]
+    assert s["actors"] == 2 and all(v >= 2 for v in s["actor_versions"].values()), s[
+        "actor_versions"
+    ]
     assert s["max_staleness_seen"] <= s["max_staleness_allowed"] == 1
     assert s["rejected_invalid"] == 0 and s["dropped_stale"] == 0
     for key in ("reward_first", "reward_last", "wall_seconds"):
@@ -43,13 +72,18 @@ def test_smoke_run_trains_and_every_actor_gets_new_weights(tmp_path, tiny_model,
     assert "asyncppo_broker_trajectories_accepted_total" in scraped["broker"]
     assert "asyncppo_actor_tokens_generated_total" in scraped["actor"]
     assert "asyncppo_learner_policy_version" in scraped["learner"]
-    steps = [json.loads(line) for line in (tmp_path / "run" / "learner_steps.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "learner_steps.jsonl").read_text().splitlines()
+    ]
     assert [st["version"] for st in steps] == sorted(st["version"] for st in steps)
 
 
 def test_ctrl_c_stops_every_role(tmp_path, tiny_model, procs):
-    proc = procs.start(smoke_args(tmp_path, tiny_model, free_port(), "--set", "learner.total_steps=0"),
-                       tmp_path / "up.log")
+    proc = procs.start(
+        smoke_args(tmp_path, tiny_model, free_port(), "--set", "learner.total_steps=0"),
+        tmp_path / "up.log",
+    )
     steps = tmp_path / "run" / "learner_steps.jsonl"
     deadline = time.monotonic() + 180
     while not (steps.exists() and steps.read_text().strip()) and time.monotonic() < deadline:

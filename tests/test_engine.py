@@ -278,7 +278,9 @@ def test_unknown_engine_lists_the_known_ones(tmp_path: Path) -> None:
 
 def test_simulated_engine_reports_the_exact_uniform_logprob(tiny_model) -> None:
     """The pipeline-only engine still obeys the contract: exact log-probs, lengths, versions."""
-    engine = make_engine("simulated", str(tiny_model), median_token_latency_s=1e-4, latency_sigma=0.5, seed=1)
+    engine = make_engine(
+        "simulated", str(tiny_model), median_token_latency_s=1e-4, latency_sigma=0.5, seed=1
+    )
     engine.load_weights(3, {})
     gens = engine.generate([[1, 2, 3], [4]], SamplingParams(max_new_tokens=5))
     vocab = engine.vocab_size

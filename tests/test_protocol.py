@@ -13,12 +13,22 @@ from common.trajectory import Segment
 def make_segment(**overrides) -> Segment:
     mask = np.array([0, 0, 1, 1, 0, 1], dtype="|u1")
     fields = dict(
-        traj_id="t1", episode_id="e1", segment=0, actor_id="a1", task="digits", group_id=None, permit="p1",
-        last=True, terminated=True, truncated=False,
-        tokens=np.array([5, 6, 7, 8, 9, 10], dtype="<i4"), action_mask=mask,
+        traj_id="t1",
+        episode_id="e1",
+        segment=0,
+        actor_id="a1",
+        task="digits",
+        group_id=None,
+        permit="p1",
+        last=True,
+        terminated=True,
+        truncated=False,
+        tokens=np.array([5, 6, 7, 8, 9, 10], dtype="<i4"),
+        action_mask=mask,
         behavior_logprobs=np.array([0, 0, -0.5, -1.0, 0, -0.25], dtype="<f4"),
         versions=np.array([-1, -1, 3, 3, -1, 4], dtype="<i4"),
-        rewards=np.array([0, 0, 0, 0.5, 0, 1.0], dtype="<f4"), metrics={"success": True, "turns": 2},
+        rewards=np.array([0, 0, 0, 0.5, 0, 1.0], dtype="<f4"),
+        metrics={"success": True, "turns": 2},
     )
     fields.update(overrides)
     return Segment(**fields)
@@ -44,8 +54,11 @@ def test_segment_round_trip_is_exact():
 
 
 def test_many_tensors_and_zero_sized_frames_round_trip():
-    frames = encode("BATCH", {"batch_id": 1, "segments": []},
-                    {"a": np.zeros(0, dtype="<f4"), "b": np.arange(12, dtype="<i8").reshape(3, 4)})
+    frames = encode(
+        "BATCH",
+        {"batch_id": 1, "segments": []},
+        {"a": np.zeros(0, dtype="<f4"), "b": np.arange(12, dtype="<i8").reshape(3, 4)},
+    )
     msg = decode([bytes(f) for f in frames])
     assert msg.tensors["a"].shape == (0,) and msg.tensors["b"][2, 3] == 11
 
@@ -105,18 +118,58 @@ def test_size_limit():
 
 
 SEGMENT_ERRORS = {
-    "nan logprob": (dict(behavior_logprobs=np.array([0, 0, np.nan, -1, 0, -0.25], "<f4")), "non_finite", "behavior_logprobs"),
+    "nan logprob": (
+        dict(behavior_logprobs=np.array([0, 0, np.nan, -1, 0, -0.25], "<f4")),
+        "non_finite",
+        "behavior_logprobs",
+    ),
     "inf reward": (dict(rewards=np.array([0, 0, 0, np.inf, 0, 1], "<f4")), "non_finite", "rewards"),
-    "positive logprob": (dict(behavior_logprobs=np.array([0, 0, 0.5, -1, 0, -0.25], "<f4")), "bad_value", "behavior_logprobs"),
-    "reward on observation": (dict(rewards=np.array([0, 0, 0, 0, 1, 1], "<f4")), "bad_value", "rewards"),
-    "logprob on observation": (dict(behavior_logprobs=np.array([0, -1, -0.5, -1, 0, -0.25], "<f4")), "bad_value", "behavior_logprobs"),
-    "version on observation": (dict(versions=np.array([0, -1, 3, 3, -1, 4], "<i4")), "bad_value", "versions"),
-    "future version": (dict(versions=np.array([-1, -1, 3, 11, -1, 4], "<i4")), "future_version", "versions"),
+    "positive logprob": (
+        dict(behavior_logprobs=np.array([0, 0, 0.5, -1, 0, -0.25], "<f4")),
+        "bad_value",
+        "behavior_logprobs",
+    ),
+    "reward on observation": (
+        dict(rewards=np.array([0, 0, 0, 0, 1, 1], "<f4")),
+        "bad_value",
+        "rewards",
+    ),
+    "logprob on observation": (
+        dict(behavior_logprobs=np.array([0, -1, -0.5, -1, 0, -0.25], "<f4")),
+        "bad_value",
+        "behavior_logprobs",
+    ),
+    "version on observation": (
+        dict(versions=np.array([0, -1, 3, 3, -1, 4], "<i4")),
+        "bad_value",
+        "versions",
+    ),
+    "future version": (
+        dict(versions=np.array([-1, -1, 3, 11, -1, 4], "<i4")),
+        "future_version",
+        "versions",
+    ),
     "length mismatch": (dict(rewards=np.zeros(5, "<f4")), "length_mismatch", "rewards"),
-    "mask not binary": (dict(action_mask=np.array([0, 0, 2, 1, 0, 1], "|u1")), "bad_value", "action_mask"),
-    "no actions": (dict(action_mask=np.zeros(6, "|u1"), versions=np.full(6, -1, "<i4"),
-                        behavior_logprobs=np.zeros(6, "<f4"), rewards=np.zeros(6, "<f4")), "no_actions", "action_mask"),
-    "first token action": (dict(action_mask=np.array([1, 0, 1, 1, 0, 1], "|u1")), "bad_value", "action_mask"),
+    "mask not binary": (
+        dict(action_mask=np.array([0, 0, 2, 1, 0, 1], "|u1")),
+        "bad_value",
+        "action_mask",
+    ),
+    "no actions": (
+        dict(
+            action_mask=np.zeros(6, "|u1"),
+            versions=np.full(6, -1, "<i4"),
+            behavior_logprobs=np.zeros(6, "<f4"),
+            rewards=np.zeros(6, "<f4"),
+        ),
+        "no_actions",
+        "action_mask",
+    ),
+    "first token action": (
+        dict(action_mask=np.array([1, 0, 1, 1, 0, 1], "|u1")),
+        "bad_value",
+        "action_mask",
+    ),
     "negative token": (dict(tokens=np.array([5, -6, 7, 8, 9, 10], "<i4")), "bad_value", "tokens"),
     "terminated and truncated": (dict(truncated=True), "bad_value", "terminated"),
     "wrong array dtype": (dict(tokens=np.array([5, 6, 7, 8, 9, 10], "<i8")), "bad_dtype", "tokens"),

@@ -16,7 +16,9 @@ from common.transport import Client, Endpoint, TransportError
 
 
 def stats(endpoint: str) -> dict:
-    client = Client(Endpoint(load_config().security, 1 << 20), endpoint, "test-stats", timeout_s=2.0)
+    client = Client(
+        Endpoint(load_config().security, 1 << 20), endpoint, "test-stats", timeout_s=2.0
+    )
     try:
         return client.request("STATS").header["stats"]
     except TransportError:
@@ -44,21 +46,47 @@ def steps_of(run_dir) -> list[dict]:
 def test_roles_by_hand_with_a_late_joiner(tmp_path, tiny_model, procs):
     port, endpoint = free_port(), None
     endpoint = f"tcp://127.0.0.1:{port}"
-    common = ["--config", "configs/smoke.yaml", "--set", f"model.path={tiny_model}",
-              "--set", f"run.out_dir={tmp_path}", "--set", "learner.total_steps=0"]
-    broker = procs.start(["broker", *common, "--set", f"broker.bind={endpoint}", "--metrics-port", "0"],
-                         tmp_path / "broker.log")
-    learner = procs.start(["learner", *common, "--set", f"learner.broker={endpoint}"], tmp_path / "learner.log")
-    actor = procs.start(["actor", *common, "--set", f"actor.broker={endpoint}", "--set", "actor.id=first"],
-                        tmp_path / "a1.log")
-    wait_for(lambda: len(steps_of(tmp_path)) >= 2, 180, "two learner steps", [broker, learner, actor])
+    common = [
+        "--config",
+        "configs/smoke.yaml",
+        "--set",
+        f"model.path={tiny_model}",
+        "--set",
+        f"run.out_dir={tmp_path}",
+        "--set",
+        "learner.total_steps=0",
+    ]
+    broker = procs.start(
+        ["broker", *common, "--set", f"broker.bind={endpoint}", "--metrics-port", "0"],
+        tmp_path / "broker.log",
+    )
+    learner = procs.start(
+        ["learner", *common, "--set", f"learner.broker={endpoint}"], tmp_path / "learner.log"
+    )
+    actor = procs.start(
+        ["actor", *common, "--set", f"actor.broker={endpoint}", "--set", "actor.id=first"],
+        tmp_path / "a1.log",
+    )
+    wait_for(
+        lambda: len(steps_of(tmp_path)) >= 2, 180, "two learner steps", [broker, learner, actor]
+    )
     version_now = stats(endpoint)["policy_version"]
-    late = procs.start(["actor", *common, "--set", f"actor.broker={endpoint}", "--set", "actor.id=late"],
-                       tmp_path / "a2.log")
-    wait_for(lambda: stats(endpoint).get("actor_versions", {}).get("late", -1) >= version_now, 120,
-             "the late joiner to load the newest version", [broker, late])
-    wait_for(lambda: "late" in {a for s in steps_of(tmp_path) for a in s["actors"]}, 120,
-             "the late joiner's episodes to be trained on", [broker, learner, actor, late])
+    late = procs.start(
+        ["actor", *common, "--set", f"actor.broker={endpoint}", "--set", "actor.id=late"],
+        tmp_path / "a2.log",
+    )
+    wait_for(
+        lambda: stats(endpoint).get("actor_versions", {}).get("late", -1) >= version_now,
+        120,
+        "the late joiner to load the newest version",
+        [broker, late],
+    )
+    wait_for(
+        lambda: "late" in {a for s in steps_of(tmp_path) for a in s["actors"]},
+        120,
+        "the late joiner's episodes to be trained on",
+        [broker, learner, actor, late],
+    )
     learner.send_signal(signal.SIGTERM)
     assert learner.wait(timeout=60) == 0, (tmp_path / "learner.log").read_text()[-2000:]
     final = stats(endpoint)
@@ -72,15 +100,37 @@ def test_roles_by_hand_with_a_late_joiner(tmp_path, tiny_model, procs):
 def test_actors_scale_up_and_down_while_training(tmp_path, tiny_model, procs):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     run_dir = tmp_path / "run"
-    up = procs.start(["up", "--config", "configs/smoke.yaml", "--set", f"model.path={tiny_model}",
-                      "--set", f"run.out_dir={run_dir}", "--set", "learner.total_steps=0", "--set", "run.num_actors=1",
-                      "--set", f"broker.bind={endpoint}", "--set", f"actor.broker={endpoint}",
-                      "--set", f"learner.broker={endpoint}"], tmp_path / "up.log")
+    up = procs.start(
+        [
+            "up",
+            "--config",
+            "configs/smoke.yaml",
+            "--set",
+            f"model.path={tiny_model}",
+            "--set",
+            f"run.out_dir={run_dir}",
+            "--set",
+            "learner.total_steps=0",
+            "--set",
+            "run.num_actors=1",
+            "--set",
+            f"broker.bind={endpoint}",
+            "--set",
+            f"actor.broker={endpoint}",
+            "--set",
+            f"learner.broker={endpoint}",
+        ],
+        tmp_path / "up.log",
+    )
     wait_for(lambda: len(steps_of(run_dir)) >= 1, 180, "the first step", [up])
 
     def scale(n: int) -> None:
-        subprocess.run([sys.executable, "-m", "deploy.cli", "scale", "--run-dir", str(run_dir), str(n)],
-                       cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "deploy.cli", "scale", "--run-dir", str(run_dir), str(n)],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
 
     scale(3)
     wait_for(lambda: stats(endpoint).get("actors") == 3, 120, "3 connected actors", [up])
