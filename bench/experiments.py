@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from common.transport import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "experiments"
@@ -194,12 +195,6 @@ def run_record(res: Result) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ running
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def override_args(overrides: dict[str, Any]) -> list[str]:
     """`--set key=value` pairs; values as JSON, which `--set` parses as YAML (a superset)."""
     return [a for k, v in overrides.items() for a in ("--set", f"{k}={json.dumps(v)}")]

@@ -37,17 +37,10 @@ from actors.episode import ChatFormat, Episode
 from bench.engine import measure  # TorchEngine and HF generate on one batch, alternating
 from common.config import Config, load_config
 from common.trajectory import Segment
+from common.transport import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "smollm2-arith.yaml"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def arith_prompts(fmt: ChatFormat, n: int) -> list[list[int]]:

@@ -8,6 +8,7 @@ encryption with an allow-list enforced by a ZAP authenticator.
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,13 @@ from common.config import SecurityConfig
 from common.protocol import Message, ProtocolError, decode, encode
 
 ZERO_COPY_BYTES = 64 << 10  # frames above this go out with copy=False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on ``host`` (for local launches and tests; racy by nature)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class TransportError(RuntimeError):

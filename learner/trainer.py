@@ -39,7 +39,7 @@ from common.metrics import Health
 from common.model import state_dict_for_export, tied_keys
 from common.protocol import decode, encode
 from common.trajectory import Segment
-from common.transport import Client, Endpoint, TransportError
+from common.transport import Client, Endpoint, TransportError, free_port
 from common.weights import pack_state_dict
 from learner import data
 from learner.losses import (
@@ -98,11 +98,12 @@ def init_distributed() -> tuple[int, int]:
     import deepspeed
 
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
         )
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

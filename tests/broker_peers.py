@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import numpy as np
 from common.config import BrokerConfig, SecurityConfig
 from common.protocol import Message, decode
 from common.trajectory import ARRAYS, Segment
-from common.transport import Client, Endpoint, TransportError, send
+from common.transport import Client, Endpoint, TransportError, free_port, send
 from common.weights import pack_state_dict
 
 if TYPE_CHECKING:
@@ -33,13 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_MESSAGE_BYTES = BrokerConfig().max_message_bytes
 # Wire bytes per token: one entry of each of the segment's arrays (tokens, mask, log-probs, ...).
 BYTES_PER_TOKEN = sum(dtype.itemsize for dtype in ARRAYS.values())
-
-
-def free_port() -> int:
-    """A TCP port free right now (the broker binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class BrokerProcess:

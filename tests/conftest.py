@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from common.transport import free_port  # noqa: F401 (tests import it from here)
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -63,3 +58,24 @@ def procs():
     p = Procs()
     yield p
     p.close()
+
+
+def smoke_args(tmp_path: Path, tiny_model: Path, port: int, *extra: str) -> list[str]:
+    """`asyncppo up` on configs/smoke.yaml with its own endpoint, model and run dir (tmp_path/run)."""
+    endpoint = f"tcp://127.0.0.1:{port}"
+    return [
+        "up",
+        "--config",
+        "configs/smoke.yaml",
+        "--set",
+        f"broker.bind={endpoint}",
+        "--set",
+        f"actor.broker={endpoint}",
+        "--set",
+        f"learner.broker={endpoint}",
+        "--set",
+        f"model.path={tiny_model}",
+        "--set",
+        f"run.out_dir={tmp_path / 'run'}",
+        *extra,
+    ]

@@ -8,27 +8,7 @@ import signal
 import time
 import urllib.request
 
-from conftest import free_port
-
-
-def smoke_args(tmp_path, tiny_model, port: int, *extra: str) -> list[str]:
-    endpoint = f"tcp://127.0.0.1:{port}"
-    return [
-        "up",
-        "--config",
-        "configs/smoke.yaml",
-        "--set",
-        f"broker.bind={endpoint}",
-        "--set",
-        f"actor.broker={endpoint}",
-        "--set",
-        f"learner.broker={endpoint}",
-        "--set",
-        f"model.path={tiny_model}",
-        "--set",
-        f"run.out_dir={tmp_path / 'run'}",
-        *extra,
-    ]
+from conftest import free_port, smoke_args
 
 
 def test_smoke_run_trains_and_every_actor_gets_new_weights(tmp_path, tiny_model, procs):

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, smoke_args
 
 from common.config import load_config
 from common.transport import Client, Endpoint, TransportError
@@ -98,28 +98,19 @@ def test_roles_by_hand_with_a_late_joiner(tmp_path, tiny_model, procs):
 
 
 def test_actors_scale_up_and_down_while_training(tmp_path, tiny_model, procs):
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
     run_dir = tmp_path / "run"
     up = procs.start(
-        [
-            "up",
-            "--config",
-            "configs/smoke.yaml",
-            "--set",
-            f"model.path={tiny_model}",
-            "--set",
-            f"run.out_dir={run_dir}",
+        smoke_args(
+            tmp_path,
+            tiny_model,
+            port,
             "--set",
             "learner.total_steps=0",
             "--set",
             "run.num_actors=1",
-            "--set",
-            f"broker.bind={endpoint}",
-            "--set",
-            f"actor.broker={endpoint}",
-            "--set",
-            f"learner.broker={endpoint}",
-        ],
+        ),
         tmp_path / "up.log",
     )
     wait_for(lambda: len(steps_of(run_dir)) >= 1, 180, "the first step", [up])
