@@ -191,21 +191,18 @@ class Broker:
                 f"{client!r} is not the registered learner; send HELLO first",
                 retryable=True,
             )
-        if (
-            client in self.actors
-        ):  # any message of a registered actor shows it is alive (long downloads too)
+        is_actor_request = msg.kind in ACTOR_KINDS | {"HEARTBEAT"} and client != self.learner_id
+        if is_actor_request and client not in self.actors and msg.kind != "BYE":
+            raise ProtocolError(
+                "unknown_actor",
+                "id",
+                f"actor {client!r} is not registered; send HELLO",
+                retryable=True,
+            )
+        if client in self.actors:  # any message of a registered actor is liveness (downloads too)
             self.actors[client] = time.monotonic()
-        if msg.kind in ACTOR_KINDS | {"HEARTBEAT"} and client != self.learner_id:
-            if client not in self.actors and msg.kind != "BYE":
-                raise ProtocolError(
-                    "unknown_actor",
-                    "id",
-                    f"actor {client!r} is not registered; send HELLO",
-                    retryable=True,
-                )
-            self.actors[client] = time.monotonic()
-            if isinstance(head.get("version"), int) and msg.kind != "TRAJ":
-                self.actor_versions[client] = head["version"]
+        if is_actor_request and isinstance(head.get("version"), int) and msg.kind != "TRAJ":
+            self.actor_versions[client] = head["version"]
         if msg.kind == "GET_BATCH":  # parked until a batch is ready (or batch_wait_s passes)
             self.pending_batch = (envelope, msg, time.monotonic() + self.cfg.batch_wait_s)
             self._try_batch()
