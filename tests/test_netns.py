@@ -132,16 +132,18 @@ def test_roles_in_separate_network_namespaces_train_together(tmp_path, tiny_mode
         start(name, "actor", f"actor.id={name}", f"actor.broker={to_broker(name)}")
         for name in ("a1", "a2")
     ]
-    wait_for(
-        lambda: len(steps_of(tmp_path)) >= 1, 240, "the first step", [broker, learner, *actors]
-    )
+    # Every client reaches the broker over its own cable, from its own address. The connections
+    # are collected while the roles run: a fast learner may finish its 3 steps and leave early.
+    expected = {f"10.77.{i}.2" for i in range(1, len(CLIENTS) + 1)}
+    seen: set[str] = set()
 
-    # Every client reaches the broker over its own cable, from its own address.
-    sockets = hosts.run(
-        "broker", ["ss", "-Htn", "state", "established", f"( sport = :{port} )"]
-    ).stdout
-    peers = {line.split()[-1].rsplit(":", 1)[0] for line in sockets.splitlines()}
-    assert peers == {f"10.77.{i}.2" for i in range(1, len(CLIENTS) + 1)}, sockets
+    def all_clients_seen() -> bool:
+        out = hosts.run("broker", ["ss", "-Htn", "state", "established", f"( sport = :{port} )"])
+        seen.update(line.split()[-1].rsplit(":", 1)[0] for line in out.stdout.splitlines())
+        return seen >= expected
+
+    wait_for(all_clients_seen, 240, "every client's connection", [broker, *actors])
+    assert seen == expected, seen
 
     assert learner.wait(timeout=240) == 0, (tmp_path / "learner.log").read_text()[-3000:]
     steps = steps_of(tmp_path)
