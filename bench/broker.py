@@ -149,6 +149,20 @@ def raw_push(port: int, count: int, num_tokens: int, ready: Any, go: Any, out: A
     zmq.Context.instance().term()  # returns once everything is delivered (zero-copy frames too)
 
 
+def raw_relay(count: int, to_port: int, ports: Any, out: Any) -> None:
+    """The ideal broker: PULL each message and PUSH the very same frames on (zero-copy), no work."""
+    ctx = zmq.Context.instance()
+    inlet, outlet = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    outlet.connect(f"{LOCAL}:{to_port}")
+    ports.put(inlet.bind_to_random_port(LOCAL))
+    for _ in range(count):
+        outlet.send_multipart(inlet.recv_multipart(copy=False), copy=False)
+    out.put(None)
+    inlet.close()
+    outlet.close(linger=-1)
+    ctx.term()  # returns once everything is delivered
+
+
 def process(target: Any, *args: Any) -> Any:
     """A spawned daemon process: an interrupted benchmark leaves none behind."""
     return MP.Process(target=target, args=args, daemon=True)
@@ -186,15 +200,22 @@ def broker_trajectories(tmp: Path, num_tokens: int, count: int) -> dict:
     }
 
 
-def raw_trajectories(num_tokens: int, count: int) -> float:
-    """The same TRAJ frames over raw PUSH/PULL between two processes; seconds."""
+def raw_trajectories(num_tokens: int, count: int, *, relay: bool = False) -> float:
+    """The same TRAJ frames over raw PUSH/PULL between two processes; with ``relay``, through a
+    third that forwards them (``raw_relay``: the physical floor of any broker). Seconds."""
     ports, r_out, p_out, ready, go = MP.Queue(), MP.Queue(), MP.Queue(), MP.Event(), MP.Event()
-    pull = process(raw_pull, count, ports, r_out)
-    pull.start()
-    push = process(raw_push, ports.get(timeout=60), count, num_tokens, ready, go, p_out)
+    procs = [process(raw_pull, count, ports, r_out)]
+    procs[0].start()
+    port = ports.get(timeout=60)
+    if relay:
+        relay_done = MP.Queue()  # held here: a queue collected in the parent breaks the child
+        procs.append(process(raw_relay, count, port, ports, relay_done))
+        procs[1].start()
+        port = ports.get(timeout=60)
+    push = process(raw_push, port, count, num_tokens, ready, go, p_out)
     run_procs([push], [ready], go)
     seconds = r_out.get(timeout=600) - p_out.get(timeout=600)
-    for p in (push, pull):
+    for p in (push, *procs):
         p.join()
     return seconds
 
@@ -203,12 +224,13 @@ def trajectories(tmp: Path, payload: int, count: int, repeats: int) -> dict:
     """Broker path and raw baseline, alternating, best of ``repeats`` each (a busy CPU slows both)."""
     num_tokens = payload // BYTES_PER_TOKEN
     nbytes = num_tokens * BYTES_PER_TOKEN
-    runs, raw = [], []
+    runs, raw, relay = [], [], []
     for _ in range(repeats):
         runs.append(broker_trajectories(tmp, num_tokens, count))
         raw.append(raw_trajectories(num_tokens, count))
+        relay.append(raw_trajectories(num_tokens, count, relay=True))
     best = min(runs, key=lambda r: r["seconds"])
-    broker_s, raw_s = best["seconds"], min(raw)
+    broker_s, raw_s, relay_s = best["seconds"], min(raw), min(relay)
     row = {
         "payload_bytes": nbytes,
         "segments": count,
@@ -220,13 +242,19 @@ def trajectories(tmp: Path, payload: int, count: int, repeats: int) -> dict:
         "raw_mb_per_s": count * nbytes / raw_s / MB,
         "raw_segments_per_s": count / raw_s,
         "ratio_broker_over_raw": raw_s / broker_s,
+        "relay_seconds": relay_s,
+        "relay_mb_per_s": count * nbytes / relay_s / MB,
+        "ratio_relay_over_raw": raw_s / relay_s,
+        "ratio_broker_over_relay": relay_s / broker_s,
         "nothing_lost": all(r["received"] == r["accepted"] == count for r in runs),
         "dropped_stale": sum(r["dropped_stale"] for r in runs),
     }
     print(
         f"trajectories {nbytes / 1024:6.0f} KB x {count:5d}: broker {row['broker_mb_per_s']:7.1f} MB/s"
         f" ({row['broker_segments_per_s']:6.0f} seg/s)  raw PUSH/PULL {row['raw_mb_per_s']:7.1f} MB/s"
-        f" ({row['raw_segments_per_s']:6.0f} seg/s)  ratio {row['ratio_broker_over_raw']:.2f}",
+        f" ({row['raw_segments_per_s']:6.0f} seg/s)  ratio {row['ratio_broker_over_raw']:.2f}"
+        f"  (bare relay {row['ratio_relay_over_raw']:.2f} of raw; broker"
+        f" {row['ratio_broker_over_relay']:.2f} of the relay)",
         flush=True,
     )
     return row
@@ -471,12 +499,15 @@ def plot(report: dict, path: Path) -> None:
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
     rows = report["trajectories"]
     x = np.arange(len(rows))
-    ax1.bar(x - 0.2, [r["raw_mb_per_s"] for r in rows], 0.4, label="raw PUSH/PULL")
-    ax1.bar(x + 0.2, [r["broker_mb_per_s"] for r in rows], 0.4, label="actor -> broker -> learner")
+    ax1.bar(x - 0.27, [r["raw_mb_per_s"] for r in rows], 0.27, label="raw PUSH/PULL (1 hop)")
+    ax1.bar(x, [r["relay_mb_per_s"] for r in rows], 0.27, label="bare zero-copy relay (2 hops)")
+    ax1.bar(
+        x + 0.27, [r["broker_mb_per_s"] for r in rows], 0.27, label="actor -> broker -> learner"
+    )
     for i, r in enumerate(rows):
         ax1.annotate(
             f"{r['ratio_broker_over_raw']:.2f}x",
-            (i + 0.2, r["broker_mb_per_s"]),
+            (i + 0.27, r["broker_mb_per_s"]),
             ha="center",
             va="bottom",
             fontsize=8,
@@ -529,6 +560,11 @@ def main() -> None:
         help="fewer segments, only the 256 MB weight set (about a minute)",
     )
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument(
+        "--only",
+        choices=("trajectories",),
+        help="re-measure one part and update it in the existing results file",
+    )
     args = parser.parse_args()
     # SIGTERM unwinds like Ctrl-C, so every broker (in its own session) is killed on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -554,6 +590,8 @@ def main() -> None:
         },
         "notes": [
             "Every process shares one machine: the broker, its clients and the baselines compete for the same cores.",
+            "Trajectory relay = a third process that PULLs each message and PUSHes the same frames on "
+            "(zero-copy, no work): the floor of any two-hop path on this machine.",
             "Trajectory ratio = broker throughput / raw PUSH/PULL throughput of the same TRAJ frames; "
             f"the broker path includes permits, ACKs, validation and batching (batch {BATCH}, "
             f"publish every {PUBLISH_EVERY} batches, max_staleness 1).",
@@ -567,6 +605,20 @@ def main() -> None:
             "learner batch 128 publishing every 2 batches; baseline: 4 actors, same total.",
         ],
     }
+    stem = "broker_quick" if q else "broker"
+    path = args.out / f"{stem}.json"
+    if args.only == "trajectories":  # re-measure one part; the file keeps the others
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            rows = [trajectories(Path(tmp_dir), p, n, repeats) for p, n in counts.items()]
+        report = json.loads(path.read_text())
+        report["trajectories"] = rows
+        report.setdefault("commands", {})["trajectories"] = (
+            f"python bench/broker.py{' --quick' if q else ''} --only trajectories"
+        )
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        plot(report, path.with_suffix(".png"))
+        print(f"updated the trajectories of {path} and .png")
+        return
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         report["trajectories"] = [
@@ -585,10 +637,9 @@ def main() -> None:
     report["many_actors_ratio_256_over_4"] = crowd["segments_per_s"] / base["segments_per_s"]
     print(f"256 actors vs 4: throughput ratio {report['many_actors_ratio_256_over_4']:.2f}")
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "broker_quick" if q else "broker"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out / f"{stem}.png")
-    print(f"wrote {args.out / stem}.json and .png")
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, path.with_suffix(".png"))
+    print(f"wrote {path} and .png")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ M_FANOUT = Histogram(
 )
 
 ACTOR_KINDS = {"PERMITS_REQ", "TRAJ", "BYE"}
+FREES_CAPACITY = {"GET_BATCH", "PUBLISH_COMMIT", "TRAJ", "BYE", "HELLO"}  # may end a permit wait
 LEARNER_KINDS = {"GET_BATCH", "PUBLISH_BEGIN", "PUBLISH_CHUNK", "PUBLISH_COMMIT"}
 SEEN_IDS = 1_000_000  # traj_ids remembered for duplicate detection
 STAT_COUNTS = (
@@ -108,6 +109,9 @@ class Broker:
         ] = {}  # actor id -> version it last reported (kept after it leaves)
         self.learner_id: str | None = None
         self.pending_batch: tuple[list, Message, float] | None = None
+        # actor id -> its PERMITS_REQ waiting for capacity (envelope, request, deadline), in
+        # arrival order; an actor's newer request replaces its older one
+        self.parked_permits: OrderedDict[str, tuple[list, Message, float]] = OrderedDict()
         self.batch_id = 0
         self.commit_time: dict[int, float] = {}
         self.counts: Counter[str] = Counter(dict.fromkeys(STAT_COUNTS, 0))
@@ -152,9 +156,11 @@ class Broker:
         for actor_id, last in list(self.actors.items()):
             if now - last > self.cfg.heartbeat_timeout_s:
                 del self.actors[actor_id]
+                self.parked_permits.pop(actor_id, None)
                 self._reclaim(actor_id, reason="actor_timeout")
         if self.pending_batch is not None:
             self._try_batch()
+        self._serve_parked_permits()
         M_QUEUE_ITEMS.set(
             sum(len(s) for s in self.partial.values()) + sum(len(s) for _, s in self.complete)
         )
@@ -178,6 +184,8 @@ class Broker:
         if reply is not None:
             self._flush_state()  # write-ahead: what a reply announces (ACK, PERMITS) is on disk first
             self._send(envelope, reply)
+        if self.parked_permits and msg.kind in FREES_CAPACITY:
+            self._serve_parked_permits()
 
     def _dispatch(self, msg: Message, envelope: list, body: list) -> list | None:
         head = msg.header
@@ -207,6 +215,13 @@ class Broker:
             self.pending_batch = (envelope, msg, time.monotonic() + self.cfg.batch_wait_s)
             self._try_batch()
             return None
+        if msg.kind == "PERMITS_REQ":  # parked while there is no capacity (or permits_wait_s)
+            self.parked_permits.pop(client, None)
+            reply = self._on_permits_req(msg)
+            if reply is None:
+                deadline = time.monotonic() + self.cfg.permits_wait_s
+                self.parked_permits[client] = (envelope, msg, deadline)
+            return reply
         handler = getattr(self, f"_on_{msg.kind.lower()}", None)
         if handler is None:
             raise ProtocolError(
@@ -261,6 +276,7 @@ class Broker:
             held = head.get("held_permits", [])
             if not isinstance(held, list) or not all(isinstance(p, str) for p in held):
                 raise ProtocolError("bad_type", "held_permits", "must be a list of permit ids")
+            self.parked_permits.pop(client, None)  # the restarted actor no longer waits on it
             self._reclaim(client, keep=set(held), reason="actor_restart")
             self.actors[client] = time.monotonic()
             log.info(
@@ -285,6 +301,7 @@ class Broker:
 
     def _on_bye(self, msg: Message) -> list:
         self.actors.pop(msg.header["id"], None)
+        self.parked_permits.pop(msg.header["id"], None)
         self._reclaim(msg.header["id"], reason="actor_left")
         return self._reply(msg, "OK")
 
@@ -299,7 +316,8 @@ class Broker:
             },
         )
 
-    def _on_permits_req(self, msg: Message) -> list:
+    def _on_permits_req(self, msg: Message) -> list | None:
+        """PERMITS or WAIT; None when only capacity is missing (the request is then parked)."""
         head, latest = msg.header, self.weights.latest_version
         group = head.get("group", 1)
         if not isinstance(group, int) or group < 1 or head["n"] < 1:
@@ -312,7 +330,7 @@ class Broker:
             return self._wait(msg, "queue_full", 0.5)
         permits = self.admission.grant(head["id"], head["n"], latest, group=group)
         if not permits:
-            return self._wait(msg, "capacity", 0.2)
+            return None
         M_PERMITS.inc(len(permits))
         self._dirty = True
         return self._reply(
@@ -324,10 +342,27 @@ class Broker:
             },
         )
 
+    def _serve_parked_permits(self) -> None:
+        """Answer parked PERMITS_REQs in arrival order while capacity lasts; past its deadline a
+        request gets WAIT capacity (ask again at once: the next request is parked again)."""
+        now = time.monotonic()
+        while self.parked_permits:
+            client, (envelope, msg, deadline) = next(iter(self.parked_permits.items()))
+            reply = self._on_permits_req(msg)
+            if reply is None:
+                if now < deadline:
+                    return  # first come, first served: nobody overtakes the head of the line
+                reply = self._wait(msg, "capacity", 0.0)
+            del self.parked_permits[client]
+            self._flush_state()
+            self._send(envelope, reply)
+
     def _on_traj(self, msg: Message, body: list) -> list:
         M_RECEIVED.inc()
         self.counts["received"] += 1
-        seg = Segment.from_wire(msg.header, msg.tensors, latest_version=self.weights.latest_version)
+        seg = Segment.from_wire(
+            msg.header, msg.tensors, latest_version=self.weights.latest_version, frames=msg.frames
+        )
         if seg.traj_id in self.seen:
             return self._reply(msg, "ACK", {"duplicate": True})
         permit = self.admission.in_flight.get(seg.permit)
@@ -456,7 +491,7 @@ class Broker:
         headers, tensors = [], {}
         for permit, segs in take:
             for seg in segs:
-                tensors.update(seg.arrays(prefix=f"{len(headers)}."))
+                tensors.update(seg.wire_tensors(prefix=f"{len(headers)}."))
                 headers.append(seg.header())
                 self.queue_bytes -= seg.nbytes
                 if self.spool:

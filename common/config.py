@@ -63,6 +63,11 @@ class BrokerConfig:
     batch_wait_s: float = param(
         2.0, "How long a GET_BATCH is held open before the broker answers WAIT."
     )
+    permits_wait_s: float = param(
+        1.0,
+        "How long a PERMITS_REQ that finds no capacity is held open; it is answered the moment "
+        "capacity frees, so actors wait without polling.",
+    )
     spool_dir: str | None = param(
         None,
         "Directory where accepted segments and the newest weights are written before they are acknowledged.",

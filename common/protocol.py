@@ -40,6 +40,8 @@ class Message:
     kind: str
     header: dict[str, Any]
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    frames: dict[str, Any] = field(default_factory=dict, repr=False)
+    """The received frame object behind each tensor (see ``Forward``)."""
 
     @property
     def req(self) -> int:
@@ -100,18 +102,34 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 
 
+@dataclass(frozen=True)
+class Forward:
+    """A received tensor sent on unchanged: ``frame`` is the transport's frame object behind
+    ``array``, and goes out as is. libzmq then shares the buffer instead of copying it, which is
+    what lets the broker hand a learner megabytes of trajectories at the cost of a few pointers."""
+
+    array: np.ndarray
+    frame: Any
+
+
 def encode(
-    kind: str, header: dict[str, Any] | None = None, tensors: dict[str, np.ndarray] | None = None
+    kind: str,
+    header: dict[str, Any] | None = None,
+    tensors: dict[str, np.ndarray | Forward] | None = None,
 ) -> list:
     """Header + tensors -> frames. Arrays are sent as their own buffers (zero-copy with ``copy=False``)."""
     head = {"proto": PROTO, "kind": kind, **(header or {})}
     frames: list = [None]
     if tensors:
         descs = {}
-        for name, arr in tensors.items():
-            arr = np.ascontiguousarray(arr)
+        for name, value in tensors.items():
+            if isinstance(value, Forward):
+                arr, frame = value.array, value.frame
+            else:
+                arr = np.ascontiguousarray(value)
+                frame = memoryview(arr).cast("B") if arr.size else b""
             descs[name] = {"dtype": arr.dtype.str, "shape": list(arr.shape), "frame": len(frames)}
-            frames.append(memoryview(arr).cast("B") if arr.size else b"")
+            frames.append(frame)
         head["tensors"] = descs
     frames[0] = msgpack.packb(head, use_bin_type=True)
     return frames
@@ -140,14 +158,14 @@ def decode(frames: list, *, max_bytes: int | None = None) -> Message:
     if not isinstance(head, dict):
         raise ProtocolError("bad_header", "frame0", f"expected a map, got {type(head).__name__}")
     try:
-        return _validate(head, views)
+        return _validate(head, views, frames)
     except ProtocolError as exc:
         req = head.get("req")
         exc.req = req if isinstance(req, int) and not isinstance(req, bool) else 0
         raise
 
 
-def _validate(head: dict, views: list[memoryview]) -> Message:
+def _validate(head: dict, views: list[memoryview], frames: list) -> Message:
     if head.get("proto") != PROTO:
         raise ProtocolError("bad_proto", "proto", f"expected {PROTO}, got {head.get('proto')!r}")
     kind = head.get("kind")
@@ -167,11 +185,14 @@ def _validate(head: dict, views: list[memoryview]) -> Message:
                 name,
                 f"expected {'/'.join(t.__name__ for t in types_)}, got {type(value).__name__}",
             )
-    tensors = _decode_tensors(head.get("tensors", {}), views)
-    return Message(kind, head, tensors)
+    tensors, index = _decode_tensors(head.get("tensors", {}), views)
+    return Message(kind, head, tensors, {name: frames[i] for name, i in index.items()})
 
 
-def _decode_tensors(descs: Any, views: list[memoryview]) -> dict[str, np.ndarray]:
+def _decode_tensors(
+    descs: Any, views: list[memoryview]
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """The arrays, and the frame index each one came from."""
     if not isinstance(descs, dict) or len(descs) > MAX_TENSORS:
         raise ProtocolError(
             "bad_tensors", "tensors", f"expected a map of at most {MAX_TENSORS} descriptors"
@@ -183,7 +204,7 @@ def _decode_tensors(descs: Any, views: list[memoryview]) -> dict[str, np.ndarray
             f"{len(descs)} tensors described, {len(views) - 1} frames sent",
         )
     out: dict[str, np.ndarray] = {}
-    used: set[int] = set()
+    used: dict[str, int] = {}
     for name, desc in descs.items():
         where = f"tensors.{name}"
         if not isinstance(name, str) or not isinstance(desc, dict):
@@ -209,12 +230,12 @@ def _decode_tensors(descs: Any, views: list[memoryview]) -> dict[str, np.ndarray
             not isinstance(idx, int)
             or isinstance(idx, bool)
             or not 1 <= idx < len(views)
-            or idx in used
+            or idx in used.values()
         ):
             raise ProtocolError(
                 "bad_frame", f"{where}.frame", f"frame index {idx!r} invalid or reused"
             )
-        used.add(idx)
+        used[name] = idx
         np_dtype = np.dtype(dtype)
         expected = math.prod(shape) * np_dtype.itemsize
         if views[idx].nbytes != expected:
@@ -225,7 +246,7 @@ def _decode_tensors(descs: Any, views: list[memoryview]) -> dict[str, np.ndarray
                 f"shape {shape} needs {expected}",
             )
         out[name] = np.frombuffer(views[idx], dtype=np_dtype).reshape(shape)
-    return out
+    return out, used
 
 
 def error_frames(exc: ProtocolError, req: int = 0) -> list:

@@ -8,12 +8,13 @@ an untrusted trajectory is checked, field by field.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from common.protocol import ProtocolError
+from common.protocol import Forward, ProtocolError
 
 ARRAYS = {  # name -> dtype on the wire (DESIGN.md's trajectory table)
     "tokens": np.dtype("<i4"),
@@ -57,6 +58,8 @@ class Segment:
     versions: np.ndarray
     rewards: np.ndarray
     metrics: dict[str, Any] = field(default_factory=dict)
+    frames: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """The received frames behind the arrays, when known: ``wire_tensors`` forwards them."""
 
     @property
     def num_tokens(self) -> int:
@@ -66,12 +69,17 @@ class Segment:
     def num_action_tokens(self) -> int:
         return int(self.action_mask.sum())
 
-    @property
+    @functools.cached_property
     def min_version(self) -> int:
-        """Oldest policy version that sampled any of this segment's action tokens."""
-        return int(self.versions[self.action_mask.astype(bool)].min())
+        """Oldest policy version that sampled any of this segment's action tokens.
 
-    @property
+        Read as unsigned, the -1 of every non-action token is the largest value, so a plain
+        minimum is the minimum over action tokens (one pass, no mask; ``validate`` guarantees the
+        layout). Computed once: the broker asks on every batch it assembles.
+        """
+        return int(self.versions.view(np.uint32).min())
+
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(getattr(self, name).nbytes for name in ARRAYS)
 
@@ -85,6 +93,15 @@ class Segment:
     def arrays(self, prefix: str = "") -> dict[str, np.ndarray]:
         return {prefix + name: getattr(self, name) for name in ARRAYS}
 
+    def wire_tensors(self, prefix: str = "") -> dict[str, np.ndarray | Forward]:
+        """``arrays()`` for sending on: the frames this segment arrived in go out unchanged."""
+        return {
+            prefix + name: Forward(getattr(self, name), self.frames[name])
+            if name in self.frames
+            else getattr(self, name)
+            for name in ARRAYS
+        }
+
     @classmethod
     def from_wire(
         cls,
@@ -93,6 +110,7 @@ class Segment:
         *,
         prefix: str = "",
         latest_version: int | None = None,
+        frames: dict[str, Any] | None = None,
     ) -> Segment:
         """Build a segment from an untrusted header and arrays; ProtocolError names the first bad field."""
         _check_ids(header)
@@ -107,11 +125,18 @@ class Segment:
                 )
             arrays[name] = arr
         seg = cls(**{k: header[k] for k in META}, **arrays)
+        if frames:
+            seg.frames = {name: frames[prefix + name] for name in ARRAYS}
         seg.validate(latest_version)
         return seg
 
     def validate(self, latest_version: int | None = None) -> None:
-        """Consistency rules of DESIGN.md: lengths agree, masks binary, log-probs finite, no future versions."""
+        """Consistency rules of DESIGN.md: lengths agree, masks binary, log-probs finite, no future versions.
+
+        Every byte a broker accepts goes through here, so each rule is one vectorized pass without
+        gathers (a 4 MB segment takes well under a millisecond); the exact offending rule is worked
+        out only once a pass has failed.
+        """
         n = self.num_tokens
         if n == 0:
             raise ProtocolError("empty", "tokens", "segment has no tokens")
@@ -124,10 +149,9 @@ class Segment:
                 )
         if self.tokens.min() < 0:
             raise ProtocolError("bad_value", "tokens", "negative token id")
-        mask = self.action_mask
-        if mask.max() > 1:
+        if self.action_mask.max() > 1:
             raise ProtocolError("bad_value", "action_mask", "values must be 0 or 1")
-        act = mask.astype(bool)
+        act = self.action_mask.view(np.bool_)  # a view, no copy: every byte is 0 or 1
         if not act.any():
             raise ProtocolError("no_actions", "action_mask", "segment has no action tokens")
         if act[0]:
@@ -136,30 +160,32 @@ class Segment:
                 "action_mask",
                 "the first token cannot be an action (it has no context)",
             )
+        off = ~act
         for name in ("behavior_logprobs", "rewards"):
-            if not np.isfinite(getattr(self, name)).all():
+            values = getattr(self, name)
+            lo, hi = values.min(), values.max()  # NaN and inf surface in min or max
+            if not (np.isfinite(lo) and np.isfinite(hi)):
                 raise ProtocolError("non_finite", name, "contains NaN or inf")
-        if (self.behavior_logprobs[act] > 1e-4).any():
+            if np.logical_and(values != 0, off).any():
+                raise ProtocolError(
+                    "bad_value",
+                    name,
+                    "must be 0 where action_mask is 0"
+                    if name == "behavior_logprobs"
+                    else "reward on a non-action token (place it on the step's last action token)",
+                )
+        if self.behavior_logprobs.max() > 1e-4:  # off-action entries are 0: the max is an action's
             raise ProtocolError("bad_value", "behavior_logprobs", "log-probabilities must be <= 0")
-        if (self.behavior_logprobs[~act] != 0).any():
-            raise ProtocolError(
-                "bad_value", "behavior_logprobs", "must be 0 where action_mask is 0"
-            )
-        if (self.rewards[~act] != 0).any():
-            raise ProtocolError(
-                "bad_value",
-                "rewards",
-                "reward on a non-action token (place it on the step's last action token)",
-            )
-        if (self.versions[~act] != -1).any():
-            raise ProtocolError("bad_value", "versions", "must be -1 where action_mask is 0")
-        if self.versions[act].min() < 0:
+        versions = self.versions
+        if ((versions >= 0) != act).any() or versions.min() < -1:
+            if (versions[off] != -1).any():
+                raise ProtocolError("bad_value", "versions", "must be -1 where action_mask is 0")
             raise ProtocolError("bad_value", "versions", "action tokens need a version >= 0")
-        if latest_version is not None and self.versions[act].max() > latest_version:
+        if latest_version is not None and versions.max() > latest_version:
             raise ProtocolError(
                 "future_version",
                 "versions",
-                f"version {int(self.versions[act].max())} is newer than the latest {latest_version}",
+                f"version {int(versions.max())} is newer than the latest {latest_version}",
             )
         if self.terminated and self.truncated:
             raise ProtocolError(

@@ -128,12 +128,15 @@ class Endpoint:
 
 
 def send(sock: zmq.Socket, frames: list, envelope: list | None = None) -> None:
-    """Send frames; large buffers go zero-copy."""
+    """Send frames; large buffers and received frames go zero-copy."""
     frames = (envelope or []) + frames
     last = len(frames) - 1
     for i, frame in enumerate(frames):
-        nbytes = frame.nbytes if isinstance(frame, memoryview) else len(frame)
-        sock.send(frame, zmq.SNDMORE if i < last else 0, copy=nbytes < ZERO_COPY_BYTES)
+        if isinstance(frame, zmq.Frame):  # a received frame sent on: libzmq shares its buffer
+            copy = False
+        else:
+            copy = (frame.nbytes if isinstance(frame, memoryview) else len(frame)) < ZERO_COPY_BYTES
+        sock.send(frame, zmq.SNDMORE if i < last else 0, copy=copy)
 
 
 class Client:

@@ -149,6 +149,44 @@ def test_staleness_bound_holds_on_every_trained_token(start_broker, max_stalenes
     assert stats["rejected_invalid"] == 0
 
 
+def test_a_permit_request_waits_for_capacity_and_is_answered_the_moment_it_frees(start_broker):
+    """Credit-based flow: no polling. A PERMITS_REQ that finds no capacity is parked and gets its
+    PERMITS as soon as capacity frees (here: the holder leaves), or WAIT after permits_wait_s."""
+    wait_s = 3.0
+    broker = start_broker({"broker.max_staleness": 0, "broker.permits_wait_s": wait_s})
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.hello(batch_size=2)  # capacity 2 episodes
+    learner.publish(0)
+    holder, waiter = (ScriptedActor(broker.address, name) for name in ("holder", "waiter"))
+    for actor in (holder, waiter):
+        actor.hello()
+        actor.sync_weights()
+    assert len(holder.permits(2)) == 2
+
+    asked = time.monotonic()
+    reply = waiter.request("PERMITS_REQ", {"n": 2, "version": 0})
+    assert reply.kind == "WAIT" and reply.header["reason"] == "capacity"
+    assert wait_s - 0.1 <= time.monotonic() - asked < wait_s + 2.0
+    assert reply.header["retry_after_s"] == 0  # ask again at once: the next request is parked too
+
+    answer: dict = {}
+
+    def ask() -> None:
+        answer["reply"] = waiter.request("PERMITS_REQ", {"n": 2, "version": 0})
+        answer["at"] = time.monotonic()
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    time.sleep(0.5)  # parked by now
+    assert "reply" not in answer
+    left = time.monotonic()
+    holder.request("BYE")  # frees the capacity it held
+    asker.join(timeout=wait_s + 5)
+    assert answer["reply"].kind == "PERMITS" and len(answer["reply"].header["permits"]) == 2
+    assert answer["at"] - left < 1.0  # answered on the spot, not after the wait ran out
+    assert learner.stats()["permits_in_use"] == 2
+
+
 # ---------------------------------------------------------------- 2. actors that die or go silent
 def test_permits_of_dead_and_silent_actors_are_reclaimed(start_broker):
     timeout_s = 2.0  # the doomed actor heartbeats every timeout_s / 10: a wide margin on a busy CPU
