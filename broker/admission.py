@@ -27,6 +27,12 @@ class Permit:
     actor_id: str
     version: int
     granted_at: float
+    group: str = ""  # id of the first permit of its group (one prompt's samples); "" alone
+    group_size: int = 1  # episodes in the group: the learner must get all of them or none
+
+    @property
+    def group_key(self) -> str:
+        return self.group or self.id
 
 
 class Admission:
@@ -53,11 +59,17 @@ class Admission:
         )
 
     def grant(self, actor_id: str, n: int, version: int, *, group: int = 1) -> list[Permit]:
-        """Up to n permits at the actor's (= the latest) version, in whole groups."""
+        """Up to n permits at the actor's (= the latest) version, in whole groups.
+
+        The actor plays each run of ``group`` consecutive permits as one prompt's samples, so the
+        broker knows every group's members from the grant, even before any segment arrives.
+        """
         n = min(n, self.grantable()) // group * group
         now = time.monotonic()
+        ids = [f"{self._epoch}-{next(self._ids)}" for _ in range(n)]
         permits = [
-            Permit(f"{self._epoch}-{next(self._ids)}", actor_id, version, now) for _ in range(n)
+            Permit(pid, actor_id, version, now, ids[i - i % group] if group > 1 else "", group)
+            for i, pid in enumerate(ids)
         ]
         self.in_flight.update((p.id, p) for p in permits)
         self.granted_total += n
@@ -102,9 +114,11 @@ class Admission:
 
     def restore(self, state: dict) -> None:
         """Resume after a broker restart: in-flight permits get a fresh liveness clock."""
-        now = time.monotonic()
-        self.in_flight = {
-            p["id"]: Permit(p["id"], p["actor_id"], p["version"], now) for p in state["in_flight"]
-        }
+        self.in_flight = {p["id"]: restore_permit(p) for p in state["in_flight"]}
         self.consumed_since_publish = state["consumed_since_publish"]
         self.granted_total = state["granted_total"]
+
+
+def restore_permit(saved: dict) -> Permit:
+    """A permit from the spool, with a fresh liveness clock (monotonic time does not survive)."""
+    return Permit(**{**saved, "granted_at": time.monotonic()})

@@ -2,14 +2,16 @@
 
 Actors ask for permits, stream segments and fetch weights; the learner asks for batches and
 publishes weights. The broker never blocks on anyone: a GET_BATCH that cannot be served yet is
-parked and answered when enough whole episodes are queued (or with WAIT after ``batch_wait_s``,
-naming what it waits for). Every rejection is an ERROR reply plus a counter, and changes nothing.
+parked and answered when enough whole episodes, in whole groups, are queued (or with WAIT after
+``batch_wait_s``, naming what it waits for). Every rejection is an ERROR reply plus a counter,
+and changes nothing.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,7 +20,7 @@ import zmq
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
 
-from broker.admission import Admission, Permit
+from broker.admission import Admission, Permit, restore_permit
 from broker.spool import Spool
 from broker.weights import WeightStore, WeightVersion
 from common.config import Config
@@ -57,6 +59,9 @@ M_ACTORS = Gauge("asyncppo_broker_actors_connected", "Actors seen within the hea
 M_VERSION = Gauge("asyncppo_broker_policy_version", "Newest complete policy version.")
 M_BYTES_IN = PromCounter("asyncppo_broker_bytes_received_total", "Bytes received on the socket.")
 M_BYTES_OUT = PromCounter("asyncppo_broker_bytes_sent_total", "Bytes sent on the socket.")
+M_SPOOL_ERRORS = PromCounter(
+    "asyncppo_broker_spool_errors_total", "Spool writes that failed (disk full, permissions)."
+)
 M_FANOUT = Histogram(
     "asyncppo_broker_weight_fanout_seconds",
     "Commit of a version to an actor's last chunk of it.",
@@ -67,20 +72,29 @@ ACTOR_KINDS = {"PERMITS_REQ", "TRAJ", "BYE"}
 FREES_CAPACITY = {"GET_BATCH", "PUBLISH_COMMIT", "TRAJ", "BYE", "HELLO"}  # may end a permit wait
 LEARNER_KINDS = {"GET_BATCH", "PUBLISH_BEGIN", "PUBLISH_CHUNK", "PUBLISH_COMMIT"}
 SEEN_IDS = 1_000_000  # traj_ids remembered for duplicate detection
+NOT_INVALID = {"busy", "unknown_actor", "version_gone", "spool_error"}  # not the sender's fault
 STAT_COUNTS = (
     "received",
     "accepted",
     "rejected_invalid",
     "dropped_stale",
     "dropped_incomplete_episode",
+    "dropped_incomplete_group",
     "handed_out",
     "episodes_handed_out",
     "permits_reclaimed",
+    "spool_errors",
 )  # always present in STATS
 
 
 def _nbytes(frames: list) -> int:
     return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+
+
+def _check_permits_req(head: dict[str, Any]) -> None:
+    group = head.get("group", 1)
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1 or head["n"] < 1:
+        raise ProtocolError("bad_value", "n", "n and group must be ints >= 1")
 
 
 class Broker:
@@ -98,9 +112,8 @@ class Broker:
         self.partial: dict[
             str, list[Segment]
         ] = {}  # permit id -> segments of an unfinished episode
-        self.complete: deque[tuple[Permit, list[Segment]]] = (
-            deque()
-        )  # whole episodes, arrival order
+        # permit id -> (permit, segments) of whole episodes, in completion order
+        self.complete: dict[str, tuple[Permit, list[Segment]]] = {}
         self.queue_bytes = 0
         self.seen: OrderedDict[str, None] = OrderedDict()
         self.actors: dict[str, float] = {}  # actor id -> last message (monotonic)
@@ -117,6 +130,8 @@ class Broker:
         self.counts: Counter[str] = Counter(dict.fromkeys(STAT_COUNTS, 0))
         self.spool = Spool(self.cfg.spool_dir) if self.cfg.spool_dir else None
         self._dirty = False
+        self._spool_failing: set[str] = set()  # writes failing now: logged once, not per retry
+        self._unspooled: set[str] = set()  # spool keys of handed-out or dropped segments
         if self.spool:
             self._restore()
         M_VERSION.set(self.weights.latest_version)
@@ -162,7 +177,8 @@ class Broker:
             self._try_batch()
         self._serve_parked_permits()
         M_QUEUE_ITEMS.set(
-            sum(len(s) for s in self.partial.values()) + sum(len(s) for _, s in self.complete)
+            sum(len(s) for s in self.partial.values())
+            + sum(len(s) for _, s in self.complete.values())
         )
         M_QUEUE_BYTES.set(self.queue_bytes)
         M_PERMITS_USE.set(len(self.admission.in_flight))
@@ -209,6 +225,8 @@ class Broker:
             )
         if client in self.actors:  # any message of a registered actor is liveness (downloads too)
             self.actors[client] = time.monotonic()
+        if msg.kind == "PERMITS_REQ":  # validate before the version is recorded or parked
+            _check_permits_req(head)
         if is_actor_request and isinstance(head.get("version"), int) and msg.kind != "TRAJ":
             self.actor_versions[client] = head["version"]
         if msg.kind == "GET_BATCH":  # parked until a batch is ready (or batch_wait_s passes)
@@ -244,7 +262,7 @@ class Broker:
     def _count_reject(self, exc: ProtocolError, msg: Message | None) -> None:
         M_REJECTED.labels(reason=exc.code).inc()
         self.counts[f"rejected_{exc.code}"] += 1
-        self.counts["rejected_invalid"] += exc.code not in ("busy", "unknown_actor", "version_gone")
+        self.counts["rejected_invalid"] += exc.code not in NOT_INVALID
         self._dirty = True
         log.warning(
             "rejected message",
@@ -319,16 +337,13 @@ class Broker:
     def _on_permits_req(self, msg: Message) -> list | None:
         """PERMITS or WAIT; None when only capacity is missing (the request is then parked)."""
         head, latest = msg.header, self.weights.latest_version
-        group = head.get("group", 1)
-        if not isinstance(group, int) or group < 1 or head["n"] < 1:
-            raise ProtocolError("bad_value", "n", "n and group must be ints >= 1")
         if latest < 0:
             return self._wait(msg, "no_weights", 0.5)
         if head["version"] != latest:
             return self._wait(msg, "stale_weights", 0.0)
         if self.queue_bytes > self.cfg.max_queue_bytes:
             return self._wait(msg, "queue_full", 0.5)
-        permits = self.admission.grant(head["id"], head["n"], latest, group=group)
+        permits = self.admission.grant(head["id"], head["n"], latest, group=head.get("group", 1))
         if not permits:
             return None
         M_PERMITS.inc(len(permits))
@@ -363,6 +378,12 @@ class Broker:
         seg = Segment.from_wire(
             msg.header, msg.tensors, latest_version=self.weights.latest_version, frames=msg.frames
         )
+        if seg.actor_id != msg.header["id"]:  # no client sends data under another actor's name
+            raise ProtocolError(
+                "actor_mismatch",
+                "actor_id",
+                f"{seg.actor_id!r} is not the sender {msg.header['id']!r}",
+            )
         if seg.traj_id in self.seen:
             return self._reply(msg, "ACK", {"duplicate": True})
         permit = self.admission.in_flight.get(seg.permit)
@@ -380,15 +401,35 @@ class Broker:
                 f"expected segment {len(done)} of episode "
                 f"{done[0].episode_id if done else seg.episode_id!r}, got {seg.segment}",
             )
+        if permit.group_size > 1:  # the learner groups by group_id, the broker by permit group
+            first = next((segs[0] for _, segs in self._group(permit) if segs), None)
+            if first is not None and first.group_id != seg.group_id:
+                raise ProtocolError(
+                    "bad_value",
+                    "group_id",
+                    f"the episodes of one permit group share one group_id: "
+                    f"expected {first.group_id!r}, got {seg.group_id!r}",
+                )
         if self.weights.latest_version - seg.min_version > self.cfg.max_staleness:
             self._drop_episode(permit, done + [seg], "stale")
+            self._drop_group(permit)
             return self._reply(msg, "ACK", {"dropped": "stale"})
         if self.queue_bytes + seg.nbytes > self.cfg.max_queue_bytes:
             raise ProtocolError(
                 "busy", "tokens", "broker queue is full; retry later", retryable=True
             )
-        if self.spool:
-            self.spool.save_segment(f"{permit.id}.{seg.segment}", [f.bytes for f in body])
+        if self.spool and not self._spool_write(
+            "segment",
+            self.spool.save_segment,
+            f"{permit.id}.{seg.segment}",
+            [f.bytes for f in body],
+        ):
+            raise ProtocolError(
+                "spool_error",
+                "spool",
+                "the broker could not store the segment; resend it later",
+                retryable=True,
+            )
         self._accept(permit, seg)
         M_ACCEPTED.inc()
         self.counts["accepted"] += 1
@@ -403,22 +444,23 @@ class Broker:
         self._dirty = True  # the accepted counter moved, even when the episode goes on
         if seg.last:
             self.admission.complete(permit.id)
-            self.complete.append((permit, self.partial.pop(permit.id)))
+            self.complete[permit.id] = (permit, self.partial.pop(permit.id))
 
     def _drop_episode(
         self, permit: Permit, segs: list[Segment], reason: str, *, queued: bool = False
     ) -> None:
-        """Discard an episode by rule (stale, actor died): counted per segment and logged."""
+        """Discard an episode by rule (stale, actor died): counted per segment and logged.
+        Callers then drop the rest of its group (``_drop_group``)."""
         accepted = [s for s in segs if s.traj_id in self.seen]
         if queued:
             self.admission.drop_queued(1)
+            del self.complete[permit.id]
         else:
             self.admission.in_flight.pop(permit.id, None)
             self.partial.pop(permit.id, None)
         for s in accepted:
             self.queue_bytes -= s.nbytes
-            if self.spool:
-                self.spool.delete_segment(f"{permit.id}.{s.segment}")
+            self._unspool(permit, s)
         M_DROPPED.labels(reason=reason).inc(len(segs))
         self.counts[f"dropped_{reason}"] += len(segs)
         self._dirty = True
@@ -429,6 +471,23 @@ class Broker:
             actor=permit.actor_id,
             segments=len(segs),
         )
+
+    def _group(self, permit: Permit) -> list[tuple[Permit, list[Segment]]]:
+        """The episodes of ``permit``'s group the broker still holds: complete, then in flight."""
+        key = permit.group_key
+        return [(p, segs) for p, segs in self.complete.values() if p.group_key == key] + [
+            (p, self.partial.get(p.id, []))
+            for p in self.admission.in_flight.values()
+            if p.group_key == key
+        ]
+
+    def _drop_group(self, permit: Permit) -> None:
+        """What is left of a group that lost an episode goes too, queued or still being played
+        (its actor then gets ``unknown_permit``): it can never be whole, and GRPO must not train
+        half a group."""
+        if permit.group_size > 1:
+            for p, segs in self._group(permit):
+                self._drop_episode(p, segs, "incomplete_group", queued=p.id in self.complete)
 
     def _reclaim(
         self,
@@ -441,6 +500,7 @@ class Broker:
             segs = self.partial.pop(p.id, [])
             if segs:
                 self._drop_episode(p, segs, "incomplete_episode")
+            self._drop_group(p)
         if permits:
             self.counts["permits_reclaimed"] += len(permits)
             self._dirty = True
@@ -448,24 +508,36 @@ class Broker:
 
     # -------------------------------------------------------------- learner
     def _try_batch(self) -> None:
+        """Answer the parked GET_BATCH with whole groups of whole episodes, or keep it parked.
+
+        GRPO normalises over a group, so a group is handed out only once all its episodes are
+        complete, and never split: a batch may exceed ``n`` by less than a group.
+        """
         envelope, msg, deadline = self.pending_batch  # type: ignore[misc]
         head, eta = msg.header, self.cfg.max_staleness
         v_learner, n = head["version"], head["n"]
-        fresh = deque()
-        for permit, segs in self.complete:
-            if v_learner - min(s.min_version for s in segs) > eta:
-                self._drop_episode(permit, segs, "stale", queued=True)
-            else:
-                fresh.append((permit, segs))
-        self.complete = fresh
+        stale = [
+            (permit, segs)
+            for permit, segs in self.complete.values()
+            if v_learner - min(s.min_version for s in segs) > eta
+        ]
+        for permit, segs in stale:
+            self._drop_episode(permit, segs, "stale", queued=True)
+        for permit, _ in stale:
+            self._drop_group(permit)
+        groups: dict[str, list[tuple[Permit, list[Segment]]]] = {}
+        for permit, segs in self.complete.values():
+            groups.setdefault(permit.group_key, []).append((permit, segs))
+        ready = [g for g in groups.values() if len(g) == g[0][0].group_size]
+        num_ready = sum(len(g) for g in ready)
         stragglers = self.admission.stragglers(v_learner) if head["publishes_after"] else []
-        if stragglers or len(self.complete) < n:
+        if stragglers or num_ready < n:
             if time.monotonic() >= deadline:
                 waiting = (
                     f"{len(stragglers)} episodes of version <= {v_learner - eta} from "
                     f"{sorted({p.actor_id for p in stragglers})}"
                     if stragglers
-                    else f"{n - len(self.complete)} more whole episodes"
+                    else f"{n - num_ready} more whole episodes"
                 )
                 self.pending_batch = None
                 self._send(
@@ -481,21 +553,24 @@ class Broker:
                     ),
                 )
             return
-        # Rule 2: episodes that would be too stale after this publish go first, then arrival order.
-        must = [head["publishes_after"] and p.version <= v_learner - eta for p, _ in self.complete]
-        order = [i for i, m in enumerate(must) if m] + [i for i, m in enumerate(must) if not m]
-        chosen = set(order[: max(n, sum(must))])
-        take = [self.complete[i] for i in order if i in chosen]
-        self.complete = deque(ep for i, ep in enumerate(self.complete) if i not in chosen)
+        # Rule 2: groups that would be too stale after this publish go first, then arrival order.
+        # A group's permits come from one grant, so they share its version.
+        oldest_kept = v_learner - eta if head["publishes_after"] else -1
+        take = [ep for g in ready if g[0][0].version <= oldest_kept for ep in g]
+        for g in ready:
+            if len(take) >= n:
+                break
+            if g[0][0].version > oldest_kept:
+                take += g
         self.admission.consume(len(take))
         headers, tensors = [], {}
         for permit, segs in take:
+            del self.complete[permit.id]
             for seg in segs:
                 tensors.update(seg.wire_tensors(prefix=f"{len(headers)}."))
                 headers.append(seg.header())
                 self.queue_bytes -= seg.nbytes
-                if self.spool:
-                    self.spool.delete_segment(f"{permit.id}.{seg.segment}")
+                self._unspool(permit, seg)
         self.batch_id += 1
         M_HANDED.inc(len(headers))
         self.counts["handed_out"] += len(headers)
@@ -526,7 +601,8 @@ class Broker:
         self.admission.published()
         self.commit_time = {wv.version: time.monotonic()}
         if self.spool:
-            self.spool.save_weights(wv.version, wv.manifest, [bytes(c) for c in wv.chunks])  # type: ignore[arg-type]
+            chunks = [bytes(c) for c in wv.chunks]  # type: ignore[arg-type]
+            self._spool_write("weights", self.spool.save_weights, wv.version, wv.manifest, chunks)
         self._dirty = True
         M_VERSION.set(wv.version)
         bind_version(wv.version)
@@ -574,16 +650,50 @@ class Broker:
         }
 
     # ----------------------------------------------------------- durability
+    def _spool_write(self, what: str, write: Callable[..., None], *args: Any) -> bool:
+        """One spool write; False when the disk failed (full, read-only, gone).
+
+        A disk error must not kill the broker: it is counted and logged (once per outage), and
+        the caller decides what it means. A segment is then not acknowledged; state is retried.
+        """
+        try:
+            write(*args)
+        except OSError as exc:
+            M_SPOOL_ERRORS.inc()
+            self.counts["spool_errors"] += 1
+            self._dirty = True
+            if what not in self._spool_failing:
+                log.error("spool write failed", what=what, error=str(exc))
+                self._spool_failing.add(what)
+            return False
+        if what in self._spool_failing:
+            log.info("spool writes work again", what=what)
+            self._spool_failing.discard(what)
+        return True
+
+    def _unspool(self, permit: Permit, seg: Segment) -> None:
+        """A handed-out or dropped segment leaves the spool at the next flush."""
+        if self.spool:
+            self._unspooled.add(f"{permit.id}.{seg.segment}")
+
     def _flush_state(self) -> None:
-        if self.spool and self._dirty:
-            self.spool.save_state(
-                {
-                    "admission": self.admission.state(),
-                    "counts": dict(self.counts),
-                    "batch_id": self.batch_id,
-                }
-            )
+        """Persist what changed. Deletions that fail are retried on every tick: a restart would
+        bring their segments back, and the learner would train on them twice."""
+        if not self.spool:
+            return
+        for key in list(self._unspooled):
+            if not self._spool_write("delete", self.spool.delete_segment, key):
+                break
+            self._unspooled.discard(key)
+        if self._dirty:
+            state = {
+                "admission": self.admission.state(),
+                "queued": [vars(p) for p, _ in self.complete.values()],  # their groups
+                "counts": dict(self.counts),
+                "batch_id": self.batch_id,
+            }
             self._dirty = False
+            self._spool_write("state", self.spool.save_state, state)
 
     def _restore(self) -> None:
         """Reload weights, permits and acknowledged segments after a restart (kill -9 included)."""
@@ -592,18 +702,21 @@ class Broker:
         if saved:
             manifest, chunks = saved
             self.weights.install(WeightVersion(manifest["version"], manifest, chunks))
-        state = self.spool.load_state()
+        state = self.spool.load_state() or {}
         if state:
             self.admission.restore(state["admission"])
             self.counts.update(state["counts"])
             self.batch_id = state["batch_id"]
+        queued = {p["id"]: restore_permit(p) for p in state.get("queued", [])}
         restored = 0
         for _key, frames in self.spool.load_segments():
             msg = decode(frames, max_bytes=self.cfg.max_message_bytes)
             seg = Segment.from_wire(msg.header, msg.tensors)
             permit = self.admission.in_flight.get(seg.permit)
-            if permit is None:  # its episode finished before the last state flush
-                permit = Permit(seg.permit, seg.actor_id, seg.min_version, time.monotonic())
+            if permit is None:  # its episode was complete at the last state flush
+                permit = queued.get(seg.permit) or Permit(
+                    seg.permit, seg.actor_id, seg.min_version, time.monotonic()
+                )
                 self.admission.in_flight[permit.id] = permit
             self._accept(permit, seg)
             restored += 1

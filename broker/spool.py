@@ -23,6 +23,12 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _segment_order(path: Path) -> tuple[str, int, int]:
+    permit, _, segment = path.stem.rpartition(".")
+    epoch, _, number = permit.rpartition("-")
+    return epoch, int(number), int(segment)
+
+
 class Spool:
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -38,8 +44,12 @@ class Spool:
         (self.segments / f"{key}.msgpack").unlink(missing_ok=True)
 
     def load_segments(self) -> list[tuple[str, list[bytes]]]:
-        """Spooled segments in the order they were accepted."""
-        files = sorted(self.segments.glob("*.msgpack"), key=lambda p: p.stat().st_mtime_ns)
+        """Spooled segments by permit in grant order, each episode's in segment order.
+
+        Keys are ``<permit>.<segment>`` and permits ``<epoch>-<n>``. The order comes from the
+        names, not from file times: with coarse timestamps an episode's segments share an mtime.
+        """
+        files = sorted(self.segments.glob("*.msgpack"), key=_segment_order)
         return [(p.stem, msgpack.unpackb(p.read_bytes(), raw=False)) for p in files]
 
     def save_state(self, state: dict) -> None:

@@ -124,6 +124,7 @@ def make_segment(
     version: int,
     num_tokens: int = 64,
     seed: int = 0,
+    group_id: str | None = None,
 ) -> Segment:
     """A valid segment: a prompt token, then turns of 3 action tokens and 1 observation token.
 
@@ -145,7 +146,7 @@ def make_segment(
         segment=index,
         actor_id=actor_id,
         task="scripted",
-        group_id=None,
+        group_id=group_id,
         permit=permit,
         last=last,
         terminated=last,
@@ -251,9 +252,10 @@ class ScriptedActor(Peer):
             self.version = reply.header["manifest"]["version"]
         return self.version
 
-    def permits(self, n: int) -> list[str]:
-        """Up to n permit ids; on WAIT, sync weights or back off as the broker says, and get none."""
-        reply = self.request("PERMITS_REQ", {"n": n, "version": self.version})
+    def permits(self, n: int, group: int = 1) -> list[str]:
+        """Up to n permit ids (in whole groups of ``group``); on WAIT, sync weights or back off as
+        the broker says, and get none."""
+        reply = self.request("PERMITS_REQ", {"n": n, "version": self.version, "group": group})
         if reply.kind == "PERMITS":
             return [p["id"] for p in reply.header["permits"]]
         if reply.header["reason"] == "stale_weights":
@@ -262,7 +264,9 @@ class ScriptedActor(Peer):
             time.sleep(reply.header["retry_after_s"])
         return []
 
-    def send_segment(self, permit: str, episode_id: str, index: int, *, last: bool) -> Segment:
+    def send_segment(
+        self, permit: str, episode_id: str, index: int, *, last: bool, group_id: str | None = None
+    ) -> Segment:
         """Build one segment at our current version and send it; returns it once acknowledged."""
         seg = make_segment(
             permit=permit,
@@ -273,12 +277,19 @@ class ScriptedActor(Peer):
             version=self.version,
             num_tokens=self.num_tokens,
             seed=self.episodes * 1000 + index,
+            group_id=group_id,
         )
         self.request("TRAJ", seg.header(), seg.arrays())
         return seg
 
     def play(
-        self, permit: str, segments: int = 2, *, finish: bool = True, pause_s: float = 0.0
+        self,
+        permit: str,
+        segments: int = 2,
+        *,
+        finish: bool = True,
+        pause_s: float = 0.0,
+        group_id: str | None = None,
     ) -> list[Segment]:
         """One episode under ``permit``, each segment sent when done (``pause_s`` of "generation"
         before each); weights are swapped between segments when the broker has newer ones, so an
@@ -291,7 +302,7 @@ class ScriptedActor(Peer):
             if self.heartbeat() > self.version:
                 self.sync_weights()
             last = finish and index == segments - 1
-            sent.append(self.send_segment(permit, episode_id, index, last=last))
+            sent.append(self.send_segment(permit, episode_id, index, last=last, group_id=group_id))
         return sent
 
 

@@ -2,7 +2,8 @@
 ZeroMQ peers (tests/broker_peers.py), real signals (kill -9, SIGTERM).
 
 Covered: staleness admission asserted on per-token versions, permits of dead actors, the spool
-across a kill -9, every kind of malformed message, CurveZMQ, and weight versioning / fan-out.
+across a kill -9 and a failing disk, every kind of malformed message, CurveZMQ, weight versioning /
+fan-out, and GRPO groups handed out whole.
 """
 
 from __future__ import annotations
@@ -68,13 +69,15 @@ def wait_until(cond, timeout_s: float, what: str, every_s: float = 0.02) -> floa
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
-def wait_until_permits(actor: ScriptedActor, n: int, timeout_s: float = 10.0) -> list[str]:
+def wait_until_permits(
+    actor: ScriptedActor, n: int, timeout_s: float = 10.0, *, group: int = 1
+) -> list[str]:
     """Ask until ``n`` permits are held (the broker may answer WAIT first)."""
     permits: list[str] = []
     deadline = time.monotonic() + timeout_s
     while len(permits) < n:
         assert time.monotonic() < deadline, f"{actor.id} got {len(permits)} of {n} permits"
-        permits += actor.permits(n - len(permits))
+        permits += actor.permits(n - len(permits), group)
     return permits
 
 
@@ -187,6 +190,35 @@ def test_a_permit_request_waits_for_capacity_and_is_answered_the_moment_it_frees
     assert learner.stats()["permits_in_use"] == 2
 
 
+def test_a_rejected_permit_request_changes_nothing(start_broker):
+    """A malformed PERMITS_REQ neither records its version nor discards the actor's parked one."""
+    broker = start_broker({"broker.max_staleness": 0, "broker.permits_wait_s": 5.0})
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.hello(batch_size=2)  # capacity 2 episodes
+    learner.publish(0)
+    holder, waiter = (ScriptedActor(broker.address, name) for name in ("holder", "waiter"))
+    for actor in (holder, waiter):
+        actor.hello()
+        actor.sync_weights()
+    assert len(holder.permits(2)) == 2
+    answer: dict = {}
+
+    def ask() -> None:
+        answer["reply"] = waiter.request("PERMITS_REQ", {"n": 2, "version": 0})
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    time.sleep(0.5)  # parked by now
+    same_id = Peer(broker.address, "waiter")  # the broker knows a client by its header id
+    with pytest.raises(TransportError) as exc:
+        same_id.request("PERMITS_REQ", {"n": 0, "version": 7})
+    assert exc.value.code == "bad_value"
+    assert learner.stats()["actor_versions"]["waiter"] == 0
+    holder.request("BYE")  # frees the capacity: the parked request is still there to get it
+    asker.join(timeout=10)
+    assert answer["reply"].kind == "PERMITS" and len(answer["reply"].header["permits"]) == 2
+
+
 # ---------------------------------------------------------------- 2. actors that die or go silent
 def test_permits_of_dead_and_silent_actors_are_reclaimed(start_broker):
     timeout_s = 2.0  # the doomed actor heartbeats every timeout_s / 10: a wide margin on a busy CPU
@@ -292,6 +324,77 @@ def test_spool_survives_kill_9(start_broker, tmp_path):
     assert not list((spool / "segments").iterdir())  # handed out, so no longer spooled
 
 
+def test_spool_restores_episodes_in_segment_order_whatever_the_file_times(start_broker, tmp_path):
+    """Coarse file timestamps must not reorder an episode: restore goes by permit and segment
+    index. The episodes form one group, whose size survives the restart too."""
+    spool = tmp_path / "spool"
+    broker = start_broker({"broker.spool_dir": str(spool)})
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.hello(batch_size=2)
+    learner.publish(0)
+    actor = ScriptedActor(broker.address, "actor")
+    actor.hello()
+    actor.sync_weights()
+    done, playing = wait_until_permits(actor, 2, group=2)
+    sent = actor.play(done, segments=2, group_id="g")
+    sent += actor.play(playing, segments=3, finish=False, group_id="g")
+
+    broker.kill()
+    files = sorted((spool / "segments").glob("*.msgpack"))  # permits 0 and 1: names sort right
+    assert len(files) == 5
+    for age, path in enumerate(files):  # the newest segment gets the oldest time
+        os.utime(path, ns=(1_000_000_000 * (100 - age),) * 2)
+    restored = broker.start()
+    assert restored["queued_episodes"] == 1 and restored["partial_episodes"] == 1
+
+    sent.append(actor.send_segment(playing, sent[-1].episode_id, 3, last=True, group_id="g"))
+    learner.hello(batch_size=2)
+    batch = learner.get_batch(0, 1)  # one episode asked for, the whole group of two handed out
+    assert batch is not None
+    assert_whole_episodes(batch)
+    assert [seg.traj_id for seg in batch] == [seg.traj_id for seg in sent]
+
+
+def test_a_failing_spool_write_is_not_acknowledged_and_survived(start_broker, tmp_path):
+    """Disk full or gone: the segment gets a retryable ERROR instead of an ACK, so the actor resends
+    it; nothing accepted is lost and the broker keeps serving. Tests run as root, which chmod does
+    not stop, so the spool's segment directory is replaced by a file."""
+    spool = tmp_path / "spool"
+    broker = start_broker({"broker.spool_dir": str(spool)})
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.hello(batch_size=1)
+    learner.publish(0)
+    actor = ScriptedActor(broker.address, "actor")
+    actor.hello()
+    actor.sync_weights()
+    first, second = wait_until_permits(actor, 2)
+    kept = actor.play(first, segments=2)
+
+    segments, moved = spool / "segments", spool / "moved"
+    segments.rename(moved)
+    segments.write_bytes(b"")
+    seg = make_segment(
+        permit=second, actor_id=actor.id, episode_id="second", index=0, last=True, version=0
+    )
+    with pytest.raises(TransportError) as exc:
+        actor.request("TRAJ", seg.header(), seg.arrays())
+    assert (exc.value.code, exc.value.retryable) == ("spool_error", True)
+    batch = learner.get_batch(0, 1)  # handing out needs the spool too (deleting)
+    assert batch is not None and [s.traj_id for s in batch] == [s.traj_id for s in kept]
+    stats = learner.stats()
+    assert stats["rejected_spool_error"] == 1 and stats["spool_errors"] >= 2
+    assert stats["accepted"] == 2 and stats["rejected_invalid"] == 0
+    assert broker.proc.poll() is None
+
+    segments.unlink()  # the disk works again
+    moved.rename(segments)
+    reply = actor.request("TRAJ", seg.header(), seg.arrays())
+    assert reply.kind == "ACK" and not reply.header.get("duplicate")
+    batch = learner.get_batch(0, 1)
+    assert batch is not None and [s.traj_id for s in batch] == [seg.traj_id]
+    wait_until(lambda: not list(segments.iterdir()), 5, "handed-out segments to leave the spool")
+
+
 def test_sigterm_stops_the_broker_while_a_learner_waits(start_broker, tmp_path):
     broker = start_broker({"broker.spool_dir": str(tmp_path / "spool"), "broker.batch_wait_s": 30})
     learner = ScriptedLearner(broker.address, "learner", timeout_s=1.0)
@@ -318,6 +421,7 @@ class Feed:
         self.actor.hello()
         self.actor.sync_weights()
         (self.permit,) = wait_until_permits(self.actor, 1)
+        self.intruder = ScriptedActor(address, "intruder")
         self.next_index = 0
 
     def segment(self, num_tokens: int = 16):
@@ -334,6 +438,11 @@ class Feed:
     def frames(self, seg, tensors=None, **header) -> list[bytes]:
         head = {**seg.header(), "id": self.actor.id, "req": 1, **header}
         return [bytes(f) for f in encode("TRAJ", head, tensors or seg.arrays())]
+
+    def forged(self, seg) -> list[bytes]:
+        """The actor's segment, under its permit, sent by another registered actor."""
+        self.intruder.hello()  # registered now, whatever the heartbeat timeout did meanwhile
+        return self.frames(seg, id=self.intruder.id)
 
     def send_valid(self) -> None:
         seg = self.segment()
@@ -401,6 +510,7 @@ BAD_INPUT = {  # case -> (frames built from a valid segment, expected code, expe
         "unknown_permit",
         "permit",
     ),
+    "another actor's segment": (lambda f, s: f.forged(s), "actor_mismatch", "actor_id"),
 }
 
 
@@ -556,3 +666,52 @@ def test_weight_versions_visible_on_commit_never_backwards_old_freed(start_broke
     info = newcomer.request("WEIGHTS_INFO").header["manifest"]
     assert info == manifest3
     assert [bytes(c) for c in fetch_chunks(newcomer.client, info)] == [bytes(c) for c in chunks3]
+
+
+# ------------------------------------------------------------------------------ 7. GRPO groups
+def test_groups_are_handed_out_whole(start_broker):
+    """GRPO normalises over a group, so a batch holds all of a group's episodes or none of them,
+    however their lengths order their completion."""
+    broker = start_broker()
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.hello(batch_size=4)
+    learner.publish(0)
+    actor = ScriptedActor(broker.address, "actor")
+    actor.hello()
+    actor.sync_weights()
+    a0, a1, b0, b1 = wait_until_permits(actor, 4, group=2)
+    for permit, group_id in ((a0, "a"), (b0, "b"), (b1, "b")):
+        actor.play(permit, segments=1, group_id=group_id)
+    (playing,) = actor.play(a1, segments=1, finish=False, group_id="a")  # a long episode
+
+    batch = learner.get_batch(0, 1)  # more than asked for rather than half a group
+    assert batch is not None and [s.group_id for s in batch] == ["b", "b"]
+    assert learner.get_batch(0, 1) is None  # a0 waits for a1
+    with pytest.raises(TransportError) as exc:  # every episode of a permit group is one group
+        actor.send_segment(a1, playing.episode_id, 1, last=True, group_id="b")
+    assert exc.value.code == "bad_value"
+    actor.send_segment(a1, playing.episode_id, 1, last=True, group_id="a")
+    batch = learner.get_batch(0, 2)
+    assert batch is not None and [s.group_id for s in batch] == ["a"] * 3
+    assert len(assert_whole_episodes(batch)) == 2
+
+
+def test_a_group_whose_actor_died_is_dropped_whole(start_broker):
+    """The finished episodes of a group that can never be whole are dropped, not trained alone."""
+    timeout_s = 1.0
+    broker = start_broker({"broker.heartbeat_timeout_s": timeout_s})
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.hello(batch_size=2)
+    learner.publish(0)
+    actor = ScriptedActor(broker.address, "actor")
+    actor.hello()
+    actor.sync_weights()
+    done, playing = wait_until_permits(actor, 2, group=2)
+    actor.play(done, segments=2, group_id="g")
+    actor.play(playing, segments=1, finish=False, group_id="g")  # and then the actor dies
+
+    wait_until(lambda: learner.stats()["permits_reclaimed"] == 1, 10, "the dead actor's permit")
+    stats = learner.stats()
+    assert stats["dropped_incomplete_episode"] == 1 and stats["dropped_incomplete_group"] == 2
+    assert stats["queued_episodes"] == 0 and stats["queue_bytes"] == 0
+    assert learner.get_batch(0, 1) is None
