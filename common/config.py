@@ -111,6 +111,11 @@ class ActorConfig:
 @dataclass
 class LearnerConfig:
     broker: str = param("tcp://127.0.0.1:5555", "Broker endpoint the learner connects to.")
+    broker_timeout_s: float = param(
+        60.0,
+        "Seconds the learner waits for a broker reply (a GET_BATCH: broker.batch_wait_s longer) "
+        "before it presumes the broker restarted and retries.",
+    )
     algorithm: str = param(
         "ppo", "ppo (critic + GAE) or grpo (group-relative outcome advantage, no critic)."
     )
@@ -141,8 +146,14 @@ class LearnerConfig:
     icepop_low: float = param(0.5, "IcePop: keep tokens whose pi_prox/mu is at least this.")
     icepop_high: float = param(5.0, "IcePop: keep tokens whose pi_prox/mu is at most this.")
     tis_cap: float = param(2.0, "Truncated importance sampling cap C in min(w, C).")
-    clip_start: float = param(0.2, "PPO clip epsilon at the first step.")
-    clip_end: float = param(0.05, "PPO clip epsilon at the last step (linear schedule).")
+    clip_start: float = param(
+        0.2,
+        "PPO clip epsilon at the first step; with total_steps 0 (no horizon) it is used throughout.",
+    )
+    clip_end: float = param(
+        0.05,
+        "PPO clip epsilon at total_steps (linear from clip_start); unused when total_steps is 0.",
+    )
     value_clip: float = param(0.2, "Value-loss clip range.")
     critic: str = param(
         "separate",
@@ -188,6 +199,11 @@ class RunConfig:
         0.0, "Stop `asyncppo up` after this many seconds (0: when the learner finishes)."
     )
     metrics_host: str = param("127.0.0.1", "Address the /metrics and /healthz servers bind.")
+    stall_timeout_s: float = param(
+        120.0,
+        "Liveness: /healthz answers 503 when a role's loop reports no progress for this long (the "
+        "learner reports between micro-batches, weight chunks and checkpoint parts).",
+    )
     metrics_base_port: int = param(
         0, "`up`: broker on this port, learner +1, actors +10..; 0 disables."
     )
@@ -286,6 +302,12 @@ def validate(cfg: Config) -> Config:
         if getattr(getattr(cfg, section), name) < 1:
             raise ConfigError(
                 f"config key '{key}' must be >= 1, got {getattr(getattr(cfg, section), name)!r}"
+            )
+    for key in ("learner.broker_timeout_s", "run.stall_timeout_s"):
+        section, name = key.split(".")
+        if not getattr(getattr(cfg, section), name) > 0:
+            raise ConfigError(
+                f"config key '{key}' must be > 0, got {getattr(getattr(cfg, section), name)!r}"
             )
     if cfg.broker.max_staleness < 0:
         raise ConfigError(

@@ -2,7 +2,7 @@
 that needs them, so ``asyncppo --help`` answers at once.
 
     asyncppo broker  --config C.yaml [--set k=v ...] [--metrics-port N]
-    asyncppo learner --config C.yaml [--resume]        (under torchrun/deepspeed for data parallel)
+    asyncppo learner --config C.yaml [--resume [auto]] (under torchrun/deepspeed for data parallel)
     asyncppo actor   --config C.yaml                   (join a running system from any host)
     asyncppo up      --config C.yaml [--summary F]     (broker + learner + N actors on this machine)
     asyncppo scale   --run-dir D N                     (change the actor count of a running `up`)
@@ -52,7 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
         _common(sp := sub.add_parser(name, help=help_))
         if name == "learner":
             sp.add_argument(
-                "--resume", action="store_true", help="continue from the latest checkpoint"
+                "--resume",
+                nargs="?",
+                const="require",
+                choices=("require", "auto"),
+                default=None,
+                help="continue from the latest checkpoint (an error without one); `--resume auto`: "
+                "continue from it if there is one, else start fresh (a restarted pod)",
             )
     _common(up := sub.add_parser("up", help="run broker, learner and actors as local processes"))
     up.add_argument("--summary", help="write the JSON run summary here")
@@ -83,7 +89,7 @@ def _serve_role(role: str, args: argparse.Namespace, cfg: Any, **log_ctx: Any) -
     from common.metrics import Health, serve_metrics
 
     log = setup_logging(role, fmt=cfg.run.log_format, level=cfg.run.log_level, **log_ctx)
-    health = Health()
+    health = Health(stall_s=cfg.run.stall_timeout_s)
     if args.metrics_port is not None:
         server = serve_metrics(cfg.run.metrics_host, args.metrics_port, health, role)
         log.info(

@@ -23,7 +23,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ import structlog
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from common.config import Config
+from common.config import Config, LearnerConfig
 from common.log import bind_version
 from common.metrics import Health
 from common.model import state_dict_for_export, tied_keys
@@ -55,7 +55,10 @@ from learner.models import Critic, Policy, PolicyWithValue, shift_to_tokens, tok
 log = structlog.get_logger()
 
 M_STEPS = Counter("asyncppo_learner_steps_total", "Learner optimisation steps.")
-M_TOKENS = Counter("asyncppo_learner_tokens_trained_total", "Action tokens trained on.")
+M_TOKENS = Counter(
+    "asyncppo_learner_action_tokens_trained_total",
+    "Action tokens (action_mask = 1) trained on; prompt and observation tokens are not counted.",
+)
 M_TRAJ = Counter("asyncppo_learner_trajectories_trained_total", "Segments trained on.")
 M_REJECTED = Counter(
     "asyncppo_learner_segments_rejected_total", "Segments dropped: token ids outside the vocab."
@@ -91,6 +94,7 @@ GAUGES = {
     }.items()
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PUBLISH_GROUP = 16  # weight chunks pipelined between two liveness beats
 
 
 def init_distributed() -> tuple[int, int]:
@@ -109,31 +113,85 @@ def init_distributed() -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def broadcast_bytes(payload: bytes | None, rank: int) -> bytes:
-    """Rank 0's bytes to every rank, as a uint8 tensor (never pickled objects)."""
+def broadcast_bytes(payload: bytes | None, rank: int, device: torch.device | None = None) -> bytes:
+    """Rank 0's bytes to every rank, as a uint8 tensor (never pickled objects).
+
+    ``device`` is the engine's: collectives run there (NCCL takes only CUDA tensors, gloo CPU ones).
+    """
     import torch.distributed as dist
 
-    size = torch.tensor([len(payload) if rank == 0 else 0], dtype=torch.int64)
+    size = torch.tensor([len(payload) if rank == 0 else 0], dtype=torch.int64, device=device)
     dist.broadcast(size, 0)
     buf = (
-        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
         if rank == 0
-        else torch.empty(int(size), dtype=torch.uint8)
+        else torch.empty(int(size), dtype=torch.uint8, device=device)
     )
     dist.broadcast(buf, 0)
-    return buf.numpy().tobytes()
+    return buf.cpu().numpy().tobytes()
 
 
-def all_reduce(values: list[float], op: str = "sum") -> list[float]:
+def all_reduce(
+    values: list[float], op: str = "sum", device: torch.device | None = None
+) -> list[float]:
+    """Sum (or max) of ``values`` over all ranks, as float64 on ``device`` (the engine's)."""
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return t.tolist()
 
 
+def any_rank(flag: bool, device: torch.device | None = None) -> bool:
+    """True on every rank if ``flag`` is true on any rank (an all-reduce max)."""
+    return all_reduce([float(flag)], "max", device)[0] > 0
+
+
+def clip_epsilon(step: int, lc: LearnerConfig) -> float:
+    """PPO clip epsilon at ``step``: linear from clip_start to clip_end over total_steps; with
+    total_steps = 0 (run until stopped) there is no horizon to schedule over, so clip_start."""
+    if lc.total_steps == 0:
+        return lc.clip_start
+    return clip_schedule(step, lc.total_steps, start=lc.clip_start, end=lc.clip_end)
+
+
+def value_sums(returns: torch.Tensor, values: torch.Tensor) -> list[float]:
+    """[n, ΣR, ΣR², Σ(R−V), Σ(R−V)²] over the given (action) tokens, in float64.
+
+    Sums, so that ranks can all-reduce them before ``explained_variance``.
+    """
+    r, d = returns.double(), returns.double() - values.double()
+    return [
+        float(r.numel()),
+        float(r.sum()),
+        float((r**2).sum()),
+        float(d.sum()),
+        float((d**2).sum()),
+    ]
+
+
+def explained_variance(sums: Sequence[float]) -> float:
+    """1 − Var(R−V) / Var(R) from ``value_sums`` (population variances); 0 without variance.
+
+    Var, not the mean square: a critic off by a constant explains all the variance (1.0).
+    """
+    n, r, r2, d, d2 = sums
+    if n <= 0:
+        return 0.0
+    var_r = r2 / n - (r / n) ** 2
+    if var_r <= 1e-12:
+        return 0.0
+    return 1.0 - (d2 / n - (d / n) ** 2) / var_r
+
+
+RESUME_MODES = ("require", "auto")
+
+
 class Learner:
-    def __init__(self, cfg: Config, *, resume: bool = False, health: Health | None = None):
+    """``resume``: None starts fresh; "require" loads the latest checkpoint and fails without one;
+    "auto" loads it when there is one and starts fresh otherwise (a restarted pod)."""
+
+    def __init__(self, cfg: Config, *, resume: str | None = None, health: Health | None = None):
         import deepspeed
 
         self.cfg, self.lc = cfg, cfg.learner
@@ -166,22 +224,30 @@ class Learner:
             if self.use_critic and not self.shared
             else None
         )
+        # The engine's device: inputs, the reference model and collectives live there (CPU + gloo
+        # without a GPU, the rank's CUDA device + NCCL with one).
+        self.device = self.policy.device
         self.reference = (
-            Policy(path, dtype).eval().requires_grad_(False) if self.lc.kl_coef > 0 else None
+            Policy(path, dtype).eval().requires_grad_(False).to(self.device)
+            if self.lc.kl_coef > 0
+            else None
         )
         self.step = 0
         self.version = 0
         self.run_dir = Path(cfg.run.out_dir)
         self.ckpt_dir = Path(self.lc.checkpoint_dir or self.run_dir / "checkpoints")
-        if resume:
-            self._load_checkpoint()
+        if resume is not None:
+            self._load_checkpoint(resume)
         self.client: Client | None = None
+        # Rank 0 keeps the last published (manifest, chunks), one host copy of the policy, to give
+        # a broker that lost them (restarted without a spool) the current weights again.
+        self._published: tuple[dict, list[memoryview]] | None = None
         if self.rank == 0:
             self.client = Client(
                 Endpoint(cfg.security, cfg.broker.max_message_bytes),
                 self.lc.broker,
                 f"learner-{socket.gethostname()}-{os.getpid()}",
-                timeout_s=60.0,
+                timeout_s=self.lc.broker_timeout_s,
             )
             self.steps_log = open(self.run_dir / "learner_steps.jsonl", "a")  # noqa: SIM115 (kept open)
         self._stop = False
@@ -212,32 +278,47 @@ class Learner:
     def _policy_module(self) -> torch.nn.Module:
         return self.policy.module.policy
 
+    def _all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        return all_reduce(values, op, self.device)
+
     # -------------------------------------------------------------- broker
     def connect(self) -> None:
-        """HELLO, then publish the starting weights under a version newer than any the broker has."""
+        """HELLO, then publish the starting weights under a version newer than any the broker has.
+
+        Ready (``/readyz``) once the broker has answered: the all-reduce waits for rank 0's WELCOME.
+        """
         if self.rank == 0:
-            reply = self._call(
-                "HELLO",
-                {
-                    "role": "learner",
-                    "version": self.version,
-                    "batch_size": self.lc.batch_size,
-                    "publish_every": self.lc.publish_every,
-                },
-            )
-            latest = reply.header["latest_version"]
+            latest = self._call("HELLO", self._hello_header()).header["latest_version"]
             self.version = max(self.version, latest + 1)
-        self.version = int(all_reduce([float(self.version)], "max")[0])
+        self.version = int(self._all_reduce([float(self.version)], "max")[0])
+        self.health.ready = True
         self.publish()
+
+    def _hello_header(self) -> dict[str, Any]:
+        return {
+            "role": "learner",
+            "version": self.version,
+            "batch_size": self.lc.batch_size,
+            "publish_every": self.lc.publish_every,
+        }
+
+    def _hello(self) -> int:
+        """One HELLO as the learner (no retry); the broker's newest complete version, −1 if none."""
+        assert self.client is not None
+        return self.client.request("HELLO", self._hello_header()).header["latest_version"]
 
     def _call(
         self, kind: str, header: dict | None = None, tensors: dict | None = None, **kw: Any
     ) -> Any:
-        """Requests to the broker survive its restarts: retry with backoff, say HELLO again if forgotten."""
+        """Requests to the broker survive its restarts: retry with backoff; when the broker has
+        forgotten the learner, say HELLO again (``connect_hello``) before the retry."""
         assert self.client is not None
-        delay = 0.2
+        delay, hello = 0.2, False
         while True:
             try:
+                if hello:
+                    self.connect_hello()
+                    hello = False
                 return self.client.request(kind, header, tensors, **kw)
             except TransportError as exc:
                 if not exc.retryable or self._stop:
@@ -246,52 +327,71 @@ class Learner:
                 log.warning("broker request failed, retrying", kind=kind, error=str(exc))
                 time.sleep(delay)
                 delay = min(2 * delay, 5.0)
-                if exc.code in ("not_learner", "unknown_actor") or "no_publish" in str(exc):
-                    self.connect_hello()
+                hello = hello or exc.code in ("not_learner", "unknown_actor")
 
     def connect_hello(self) -> None:
-        assert self.client is not None
-        self.client.request(
-            "HELLO",
-            {
-                "role": "learner",
-                "version": self.version,
-                "batch_size": self.lc.batch_size,
-                "publish_every": self.lc.publish_every,
-            },
-        )
+        """HELLO again (the broker restarted). A broker whose newest version is older than ours
+        (one restarted without a spool has none) gets the current weights again, under the current
+        version: never a lower one, so what actors already hold stays valid."""
+        latest = self._hello()
+        if self._published is not None and latest < self._published[0]["version"]:
+            log.warning(
+                "broker lacks the current weights, publishing them again",
+                version=self.version,
+                broker_latest=latest,
+            )
+            self._send_weights(*self._published)
 
     def publish(self) -> None:
         """Export the full state dict (tied tensors once), chunk it, push it; visible on COMMIT."""
         t0 = time.monotonic()
+        self.health.beat("publishing weights")
         tensors = self.export_weights()
         if self.rank == 0:
-            manifest, chunks = pack_state_dict(tensors, self.version, self.lc.weight_chunk_bytes)
-            while True:
-                try:
-                    self._call("PUBLISH_BEGIN", {"manifest": manifest})
-                    assert self.client is not None
-                    self.client.pipeline(
-                        "PUBLISH_CHUNK",
-                        [{"version": self.version, "chunk": i} for i in range(len(chunks))],
-                        tensors=[{"data": np.frombuffer(c, dtype=np.uint8)} for c in chunks],
-                    )
-                    self._call("PUBLISH_COMMIT", {"version": self.version})
-                    break
-                except TransportError as exc:  # broker restarted mid-publish: start over
-                    log.warning(
-                        "publish interrupted, retrying", version=self.version, error=str(exc)
-                    )
-                    time.sleep(0.5)
-                    self.connect_hello()
+            self._published = pack_state_dict(tensors, self.version, self.lc.weight_chunk_bytes)
+            del tensors
+            self._send_weights(*self._published)
             log.info(
                 "published weights",
                 version=self.version,
-                bytes=manifest["total_bytes"],
+                bytes=self._published[0]["total_bytes"],
                 seconds=round(time.monotonic() - t0, 3),
             )
         M_VERSION.set(self.version)
         bind_version(self.version)
+
+    def _send_weights(self, manifest: dict, chunks: list[memoryview]) -> None:
+        """PUBLISH_BEGIN, the chunks (pipelined, a liveness beat between groups), PUBLISH_COMMIT.
+
+        A broker restart on the way (timeout, ``no_publish``, ``not_learner``) starts it over after
+        a HELLO; it is done once the broker has this version (say, only the COMMIT's reply was lost).
+        """
+        assert self.client is not None
+        version = manifest["version"]
+        headers = [{"version": version, "chunk": i} for i in range(len(chunks))]
+        frames = [{"data": np.frombuffer(c, dtype=np.uint8)} for c in chunks]
+        retry = False
+        while True:
+            try:
+                if retry and self._hello() >= version:
+                    return
+                self.client.request("PUBLISH_BEGIN", {"manifest": manifest})
+                for i in range(0, len(chunks), PUBLISH_GROUP):
+                    self.health.beat("publishing weights")
+                    self.client.pipeline(
+                        "PUBLISH_CHUNK",
+                        headers[i : i + PUBLISH_GROUP],
+                        tensors=frames[i : i + PUBLISH_GROUP],
+                    )
+                self.client.request("PUBLISH_COMMIT", {"version": version})
+                return
+            except TransportError as exc:
+                if not exc.retryable:
+                    raise
+                self.health.beat(f"broker ({exc})")
+                log.warning("publish interrupted, retrying", version=version, error=str(exc))
+                time.sleep(0.5)
+                retry = True
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The policy's full state dict as ``publish`` sends it (tied tensors once); {} off rank 0.
@@ -326,6 +426,7 @@ class Learner:
                         "n": self.lc.batch_size,
                         "publishes_after": publishes_after,
                     },
+                    timeout_s=self.lc.broker_timeout_s + self.cfg.broker.batch_wait_s,
                 )
                 if reply.kind == "BATCH":
                     msg = reply
@@ -339,7 +440,7 @@ class Learner:
                 else []
             )
             payload = broadcast_bytes(
-                msgpack.packb(frames, use_bin_type=True) if frames else b"", self.rank
+                msgpack.packb(frames, use_bin_type=True) if frames else b"", self.rank, self.device
             )
             msg = decode(msgpack.unpackb(payload, raw=False)) if payload else None
         if msg is None:
@@ -371,6 +472,7 @@ class Learner:
         """No-grad pass: log π_prox, V aligned to tokens, V after the last token, reference log-probs."""
         prox, values, end_values, ref = [], [], [], [] if self.reference is not None else None
         for idx in data.micro_batches(segs, self.lc.micro_batch_tokens):
+            self.health.beat("scoring the batch")
             ids, attn, lens = self._inputs([segs[i] for i in idx])
             lp, raw = self._forward(ids, attn)
             v = shift_to_tokens(raw) if raw is not None else torch.zeros_like(lp)
@@ -381,6 +483,10 @@ class Learner:
                 if ref is not None
                 else None
             )
+            # Per-token bookkeeping (advantages, weights, statistics) runs on the CPU; the losses
+            # move what they need back to the engine's device.
+            lp, v = lp.cpu(), v.cpu()
+            r = r.cpu() if r is not None else None
             for j, i in enumerate(idx):
                 prox.append((i, lp[j, : lens[j]]))
                 values.append((i, v[j, : lens[j]]))
@@ -395,12 +501,16 @@ class Learner:
             order(ref) if ref is not None else None,
         )
 
-    @staticmethod
-    def _inputs(segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def _inputs(self, segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Padded token ids and attention mask on the engine's device, and the true lengths."""
         lens = [s.num_tokens for s in segs]
         ids = data.pad([torch.from_numpy(s.tokens.astype("int64")) for s in segs])
         attn = data.pad([torch.ones(n, dtype=torch.long) for n in lens])
-        return ids, attn, lens
+        return ids.to(self.device), attn.to(self.device), lens
+
+    def _rows(self, xs: list[torch.Tensor], idx: list[int]) -> torch.Tensor:
+        """Per-token tensors of micro-batch ``idx``, padded, on the engine's device."""
+        return data.pad([xs[i] for i in idx]).to(self.device)
 
     def train_step(self, batch: list[Segment]) -> dict[str, float]:
         lc = self.lc
@@ -466,13 +576,11 @@ class Learner:
             keeps.append(k & m)
 
         local_tokens = float(sum(int(m.sum()) for m in masks))
-        (n_tokens,) = all_reduce([local_tokens])
+        (n_tokens,) = self._all_reduce([local_tokens])
         denominator = max(n_tokens, 1.0)
         mbs = data.micro_batches(segs, lc.micro_batch_tokens)
-        n_micro = int(all_reduce([float(len(mbs))], "max")[0])
-        clip = clip_schedule(
-            self.step, max(lc.total_steps, 1), start=lc.clip_start, end=lc.clip_end
-        )
+        n_micro = int(self._all_reduce([float(len(mbs))], "max")[0])
+        clip = clip_epsilon(self.step, lc)
         train_policy = self.step >= lc.critic_warmup_steps
         sums = {
             "policy_loss": 0.0,
@@ -489,6 +597,7 @@ class Learner:
             optimizers; without ZeRO the (already all-reduced) gradients are plain ``.grad``.
             """
             for j in range(n_micro):
+                self.health.beat("training")
                 engine.set_gradient_accumulation_boundary(j == n_micro - 1)
                 loss = loss_fn(mbs[j]) if j < len(mbs) else self._zero_loss(engine)
                 engine.backward(loss * self.world, scale_wrt_gas=False)
@@ -506,7 +615,7 @@ class Learner:
             out = self.policy(ids, attn)
             logits = out[0] if self.shared else out
             lp = token_logprobs(logits, ids, self.cfg.actor.temperature)
-            cat = lambda xs: data.pad([xs[i] for i in idx])  # noqa: E731
+            cat = lambda xs: self._rows(xs, idx)  # noqa: E731
             loss, stats = ppo_policy_loss(
                 lp,
                 cat(prox),
@@ -541,7 +650,7 @@ class Learner:
         def critic_loss(idx: list[int]) -> torch.Tensor:
             ids, attn, _ = self._inputs([segs[i] for i in idx])
             v = shift_to_tokens(self.critic(ids, attn))
-            cat = lambda xs: data.pad([xs[i] for i in idx])  # noqa: E731
+            cat = lambda xs: self._rows(xs, idx)  # noqa: E731
             vl = value_loss(
                 v, cat(values), cat(rets), cat(masks), clip=lc.value_clip, denominator=denominator
             )
@@ -575,7 +684,7 @@ class Learner:
             if segs
             else torch.zeros(0)
         )
-        g = all_reduce(
+        g = self._all_reduce(
             [
                 sums["policy_loss"],
                 sums["value_loss"],
@@ -583,16 +692,13 @@ class Learner:
                 sums["approx_kl"],
                 kept,
                 w_sum,
-                float(((ret_all - val_all) ** 2).sum()),
-                float(ret_all.sum()),
-                float((ret_all**2).sum()),
+                *value_sums(ret_all, val_all),  # g[6:11], over the action tokens
             ]
         )
-        ratio_max = all_reduce([ratio_max], "max")[0]
+        ratio_max = self._all_reduce([ratio_max], "max")[0]
         staleness = [
             self.version - int(v) for s in batch for v in s.versions[s.action_mask.astype(bool)]
         ]
-        var_r = g[8] / denominator - (g[7] / denominator) ** 2
         rewards = data.episode_rewards(episodes)
         seconds = time.monotonic() - t0
         stats = {
@@ -605,9 +711,7 @@ class Learner:
             "icepop_kept_fraction": g[4] / denominator,
             "importance_weight_mean": g[5] / denominator,
             "importance_weight_max": ratio_max,
-            "explained_variance": (1 - (g[6] / denominator) / var_r)
-            if self.use_critic and var_r > 1e-12
-            else 0.0,
+            "explained_variance": explained_variance(g[6:11]) if self.use_critic else 0.0,
             "grad_norm": sums["grad_norm"],
             "reward_mean": float(np.mean(rewards)),
             "episode_rewards": rewards,
@@ -632,7 +736,7 @@ class Learner:
 
         A real forward, not a sum over parameters: under ZeRO-3 parameters exist only inside it.
         """
-        ids = torch.zeros(1, 1, dtype=torch.long)
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         out = engine(ids, torch.ones_like(ids))
         return sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))) * 0.0
 
@@ -669,9 +773,10 @@ class Learner:
 
         signal.signal(signal.SIGTERM, on_sigterm)
         signal.signal(signal.SIGINT, on_sigterm)
-        self.health.ready = True
         self.connect()
-        while not self._stop and (self.lc.total_steps == 0 or self.step < self.lc.total_steps):
+        while not self._stop_agreed() and (
+            self.lc.total_steps == 0 or self.step < self.lc.total_steps
+        ):
             batch = self._get_batch()
             if not batch:
                 continue  # stopping, or every episode of the batch was dropped
@@ -690,22 +795,36 @@ class Learner:
             self.export(self.lc.export_dir)
         log.info("learner finished", steps=self.step, version=self.version)
 
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was signalled, all-reduced (max) at the step boundary: every rank stops
+        after the same step, so none checkpoints while another waits in a collective."""
+        if any_rank(self._stop, self.device):
+            self._stop = True  # set, never cleared: a signal landing during the all-reduce stays
+        return self._stop
+
     # --------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> None:
         """DeepSpeed checkpoint (weights + optimizer) with the version counter and step."""
         tag = f"step{self.step}"
         client_state = {"step": self.step, "version": self.version}
-        self.policy.save_checkpoint(
-            str(self.ckpt_dir / "policy"), tag=tag, client_state=client_state
-        )
-        if self.critic is not None:
-            self.critic.save_checkpoint(
-                str(self.ckpt_dir / "critic"), tag=tag, client_state=client_state
-            )
+        for name, engine in (("policy", self.policy), ("critic", self.critic)):
+            if engine is not None:
+                self.health.beat(f"saving the {name} checkpoint")
+                engine.save_checkpoint(
+                    str(self.ckpt_dir / name), tag=tag, client_state=client_state
+                )
+        self.health.beat("checkpoint saved")
         log.info("checkpoint saved", dir=str(self.ckpt_dir), step=self.step, version=self.version)
 
-    def _load_checkpoint(self) -> None:
+    def _load_checkpoint(self, mode: str) -> None:
+        """``mode`` "require": the latest checkpoint or FileNotFoundError; "auto": the latest
+        checkpoint if there is one, else a fresh start. Logs which of the two happened."""
+        if mode not in RESUME_MODES:
+            raise ValueError(f"resume must be one of {RESUME_MODES} or None, got {mode!r}")
         if not (self.ckpt_dir / "policy" / "latest").exists():
+            if mode == "auto":
+                log.info("no checkpoint: starting fresh", dir=str(self.ckpt_dir), resume=mode)
+                return
             raise FileNotFoundError(
                 f"--resume: no checkpoint under {self.ckpt_dir}/policy (no 'latest' file)"
             )
@@ -714,7 +833,11 @@ class Learner:
             self.critic.load_checkpoint(str(self.ckpt_dir / "critic"))
         self.step, self.version = client["step"], client["version"]
         log.info(
-            "resumed from checkpoint", dir=str(self.ckpt_dir), step=self.step, version=self.version
+            "resumed from checkpoint",
+            dir=str(self.ckpt_dir),
+            step=self.step,
+            version=self.version,
+            resume=mode,
         )
 
     def export(self, out_dir: str) -> None:

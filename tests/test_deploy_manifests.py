@@ -51,7 +51,7 @@ KNOWN_METRICS = HISTOGRAMS | {
     "asyncppo_broker_bytes_received_total",
     "asyncppo_broker_bytes_sent_total",
     "asyncppo_learner_steps_total",
-    "asyncppo_learner_tokens_trained_total",
+    "asyncppo_learner_action_tokens_trained_total",
     "asyncppo_learner_trajectories_trained_total",
     "asyncppo_learner_policy_loss",
     "asyncppo_learner_value_loss",
@@ -75,7 +75,7 @@ KNOWN_METRICS = HISTOGRAMS | {
 # One metric per view the dashboard must show.
 REQUIRED_ON_DASHBOARD = {
     "asyncppo_broker_trajectories_accepted_total",
-    "asyncppo_learner_tokens_trained_total",
+    "asyncppo_learner_action_tokens_trained_total",
     "asyncppo_learner_reward_mean",
     "asyncppo_learner_staleness",
     "asyncppo_learner_icepop_kept_fraction",
@@ -345,6 +345,19 @@ def test_learner_runs_torchrun_on_gpus_with_a_checkpoint_claim() -> None:
     assert c["resources"]["limits"]["nvidia.com/gpu"] >= 1
     assert learner["spec"]["serviceName"] == find("Service", "asyncppo-learner")["metadata"]["name"]
     assert learner["spec"]["volumeClaimTemplates"], "checkpoints must outlive the pod"
+
+
+def test_a_restarted_learner_pod_resumes_and_its_overrides_load(tmp_path: Path) -> None:
+    """`--resume auto`: the first start has no checkpoint (plain `--resume` would fail there)."""
+    from common.config import load_config
+    from deploy.cli import build_parser
+
+    args = container(find("StatefulSet", "asyncppo-learner"))["args"]
+    parsed = build_parser().parse_args(args[args.index("learner") :])
+    assert parsed.resume == "auto"
+    path = tmp_path / "config.yaml"
+    path.write_text(find("ConfigMap", "asyncppo-config")["data"]["config.yaml"])
+    assert load_config(path, parsed.overrides).run.stall_timeout_s >= 120
 
 
 def test_actors_scale_as_a_deployment_and_name_themselves_after_the_pod() -> None:

@@ -12,6 +12,7 @@ import json
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,16 +22,26 @@ import torch.multiprocessing as mp
 from conftest import free_port
 from deepspeed.runtime.zero import GatheredParameters
 from safetensors.torch import load_file, save_file
+from structlog.testing import capture_logs
 from test_data import make_segment
 from transformers import AutoModelForCausalLM
 
 from common.config import load_config
+from common.metrics import Health
 from common.model import state_dict_for_export
 from common.trajectory import Segment
+from common.transport import TransportError
 from common.weights import pack_state_dict, unpack_state_dict
+from deploy.cli import build_parser
 from learner import data
 from learner.models import Policy, token_logprobs
-from learner.trainer import Learner
+from learner.trainer import (
+    PUBLISH_GROUP,
+    Learner,
+    clip_epsilon,
+    explained_variance,
+    value_sums,
+)
 
 COMPARED = (
     "policy_loss",
@@ -65,7 +76,9 @@ def single_process_group():
     torch.set_num_threads(threads)
 
 
-def build_learner(model: Path, run_dir: Path, *overrides: str, resume: bool = False) -> Learner:
+def build_learner(
+    model: Path, run_dir: Path, *overrides: str, resume: str | None = None
+) -> Learner:
     run_dir.mkdir(parents=True, exist_ok=True)
     return Learner(
         load_config(None, [f"model.path={model}", f"run.out_dir={run_dir}", *overrides]),
@@ -78,7 +91,7 @@ def new_learner(tmp_path, tiny_model):
     """Learners on the tiny model with config overrides, each in its own run dir, closed at the end."""
     made: list[Learner] = []
 
-    def make(*overrides: str, resume: bool = False, run_dir: Path | None = None) -> Learner:
+    def make(*overrides: str, resume: str | None = None, run_dir: Path | None = None) -> Learner:
         made.append(
             build_learner(
                 tiny_model, run_dir or tmp_path / f"run{len(made)}", *overrides, resume=resume
@@ -202,7 +215,9 @@ DP_OVERRIDES = ("learner.micro_batch_tokens=16",)  # ranks end up with 3 and 2 m
 def train_one_rank(
     rank: int, world: int, port: int, model: Path, out: Path, zero_stage: int, batch: list[Segment]
 ) -> None:
-    """One data-parallel rank (run by torch.multiprocessing.spawn): a step, then rank 0 saves."""
+    """One data-parallel rank (run by torch.multiprocessing.spawn): a step, then rank 0 saves.
+
+    Then only rank 1 is signalled: rank 0 must agree to stop at the same step boundary."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -214,15 +229,21 @@ def train_one_rank(
     learner = build_learner(model, out / "run", *DP_OVERRIDES, f"learner.zero_stage={zero_stage}")
     stats = learner.train_step(batch)
     params, exported = snapshot(learner), learner.export_weights()  # collectives: every rank calls
+    learner._stop = rank == 1
+    stopped = learner._stop_agreed()
     if rank == 0:
         save_file(params, out / "params.safetensors")
         save_file(exported, out / "exported.safetensors")
-        (out / "stats.json").write_text(json.dumps({k: stats[k] for k in COMPARED}))
+        (out / "stats.json").write_text(
+            json.dumps({k: stats[k] for k in COMPARED} | {"stopped": stopped})
+        )
     learner.close()
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
-def test_two_ranks_take_the_same_step_as_one(new_learner, tiny_model, tmp_path, zero_stage):
+def test_two_ranks_take_the_same_step_and_stop_together(
+    new_learner, tiny_model, tmp_path, zero_stage
+):
     batch = fixed_batch()
     shares = [data.split_for_rank(data.group_episodes(batch), r, 2) for r in range(2)]
     assert all(shares), "both ranks must get episodes"
@@ -232,6 +253,7 @@ def test_two_ranks_take_the_same_step_as_one(new_learner, tiny_model, tmp_path, 
     single = new_learner(*DP_OVERRIDES, f"learner.zero_stage={zero_stage}")
     stats = single.train_step(batch)
     two_ranks = json.loads((tmp_path / "stats.json").read_text())
+    assert two_ranks["stopped"], "a signal on rank 1 stops rank 0 after the same step"
     assert_same_step(
         two_ranks, stats, load_file(tmp_path / "params.safetensors"), snapshot(single), atol=1e-5
     )
@@ -321,7 +343,7 @@ def test_checkpoint_resume_restores_everything(new_learner, tmp_path, tiny_model
         first.version += 1
     first.save_checkpoint()
     params, moments = snapshot(first), optimizer_state(first)
-    resumed = new_learner(run_dir=tmp_path / "run", resume=True)
+    resumed = new_learner(run_dir=tmp_path / "run", resume="require")
     assert (resumed.step, resumed.version) == (2, 2)
     assert all(torch.equal(params[k], v) for k, v in snapshot(resumed).items())
     restored = optimizer_state(resumed)
@@ -338,7 +360,28 @@ def test_checkpoint_resume_restores_everything(new_learner, tmp_path, tiny_model
 
 def test_resume_without_checkpoint_names_the_directory(new_learner, tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint under"):
-        new_learner(run_dir=tmp_path / "empty", resume=True)
+        new_learner(run_dir=tmp_path / "empty", resume="require")
+
+
+def test_resume_auto_starts_fresh_or_resumes_and_says_which(new_learner, tmp_path, tiny_model):
+    with capture_logs() as logs:
+        fresh = new_learner(run_dir=tmp_path / "run", resume="auto")
+    assert (fresh.step, fresh.version) == (0, 0)
+    assert "no checkpoint: starting fresh" in [e["event"] for e in logs]
+    fresh.train_step(on_policy(fixed_batch(), tiny_model))
+    fresh.step, fresh.version = 1, 1
+    fresh.save_checkpoint()
+    with capture_logs() as logs:
+        resumed = new_learner(run_dir=tmp_path / "run", resume="auto")
+    assert (resumed.step, resumed.version) == (1, 1)
+    params = snapshot(resumed)
+    assert all(torch.equal(params[k], v) for k, v in snapshot(fresh).items())
+    assert "resumed from checkpoint" in [e["event"] for e in logs]
+
+
+def test_resume_flag_is_strict_alone_and_lenient_with_auto():
+    parse = lambda *argv: build_parser().parse_args(["learner", *argv]).resume  # noqa: E731
+    assert (parse(), parse("--resume"), parse("--resume", "auto")) == (None, "require", "auto")
 
 
 def grpo_batch(rewards: list[float]) -> list[Segment]:
@@ -381,3 +424,119 @@ def test_critic_warmup_steps_leave_the_policy_untouched(new_learner, tiny_model)
     learner.train_step(on_policy(fixed_batch(), tiny_model))
     after = snapshot(learner)
     assert not changed(before, after, "policy/") and changed(before, after, "critic/")
+
+
+def test_clip_stays_at_clip_start_without_a_horizon():
+    run_until_stopped = load_config(None, ["learner.total_steps=0"]).learner
+    assert [clip_epsilon(step, run_until_stopped) for step in (0, 1, 1000)] == [0.2] * 3
+    scheduled = load_config(None, ["learner.total_steps=10"]).learner
+    assert [clip_epsilon(step, scheduled) for step in (0, 5, 10, 20)] == pytest.approx(
+        [0.2, 0.125, 0.05, 0.05]
+    )
+
+
+def test_explained_variance_is_one_minus_the_variance_ratio():
+    returns = torch.tensor([1.0, 2.0, 3.0, 6.0])
+    # A critic off by a constant explains every bit of the variance (the mean square would not).
+    assert explained_variance(value_sums(returns, returns - 0.5)) == pytest.approx(1.0)
+    values = torch.tensor([1.5, 1.0, 3.5, 4.0])
+    expected = 1 - torch.var(returns - values, correction=0) / torch.var(returns, correction=0)
+    assert explained_variance(value_sums(returns, values)) == pytest.approx(float(expected))
+    halves = [value_sums(returns[i : i + 2], values[i : i + 2]) for i in (0, 2)]  # two ranks
+    assert explained_variance([a + b for a, b in zip(*halves, strict=True)]) == pytest.approx(
+        float(expected)
+    )
+    assert explained_variance(value_sums(torch.ones(3), torch.zeros(3))) == 0.0  # Var(R) = 0
+    assert explained_variance(value_sums(torch.zeros(0), torch.zeros(0))) == 0.0
+
+
+class RecordingHealth(Health):
+    """What the learner said it was doing at each liveness beat."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.beats: list[str | None] = []
+
+    def beat(self, waiting_for: str | None = None) -> None:
+        super().beat(waiting_for)
+        self.beats.append(waiting_for)
+
+
+class FakeBroker:
+    """Stands in for the learner's broker client: answers every request, records what was sent
+    and whether the learner was ready (``/readyz``) at that moment."""
+
+    def __init__(self, learner: Learner, latest_version: int, fail_first: int = 0) -> None:
+        self.learner, self.latest, self.fail_first = learner, latest_version, fail_first
+        self.sent: list[tuple[str, int, bool]] = []  # (kind, version or chunk count, ready)
+
+    def request(self, kind: str, header: dict | None = None, tensors=None, **kw):
+        header = header or {}
+        self.sent.append((kind, header.get("version", -2), self.learner.health.ready))
+        if self.fail_first:
+            self.fail_first -= 1
+            raise TransportError(f"{kind}: no reply in time")
+        if kind == "PUBLISH_BEGIN":
+            self.sent[-1] = (kind, header["manifest"]["version"], self.learner.health.ready)
+        if kind == "PUBLISH_COMMIT":
+            self.latest = header["version"]
+        return SimpleNamespace(kind="WELCOME", header={"latest_version": self.latest})
+
+    def pipeline(self, kind: str, headers: list[dict], **kw) -> None:
+        self.sent.append((kind, len(headers), self.learner.health.ready))
+
+    def close(self) -> None:
+        pass
+
+
+def test_long_phases_keep_the_liveness_watchdog_fed(new_learner, tiny_model):
+    learner = new_learner("learner.micro_batch_tokens=16", "learner.weight_chunk_bytes=4096")
+    learner.health = health = RecordingHealth()
+    batch = on_policy(fixed_batch(), tiny_model)
+    n_micro = len(data.micro_batches(batch, 16))
+    learner.train_step(batch)
+    assert health.beats.count("scoring the batch") == n_micro
+    assert health.beats.count("training") == 2 * n_micro  # critic, then policy
+    learner.client = FakeBroker(learner, latest_version=-1)
+    learner.publish()
+    chunk_groups = [n for kind, n, _ in learner.client.sent if kind == "PUBLISH_CHUNK"]
+    assert len(chunk_groups) > 1 and max(chunk_groups) == PUBLISH_GROUP
+    assert health.beats.count("publishing weights") == 1 + len(chunk_groups)
+    health.beats.clear()
+    learner.save_checkpoint()
+    assert health.beats[:2] == ["saving the policy checkpoint", "saving the critic checkpoint"]
+
+
+def test_stall_threshold_comes_from_the_config(monkeypatch):
+    import common.log
+    from deploy.cli import _serve_role
+
+    monkeypatch.setattr(common.log, "setup_logging", lambda *a, **kw: None)
+    args = build_parser().parse_args(["learner"])
+    _, health = _serve_role("learner", args, load_config(None, ["run.stall_timeout_s=900"]))
+    assert health.stall_s == 900
+
+
+def test_ready_only_after_the_broker_welcomed_the_learner(new_learner):
+    learner = new_learner()
+    learner.client = broker = FakeBroker(learner, latest_version=-1, fail_first=1)
+    learner.connect()
+    assert [(kind, ready) for kind, _, ready in broker.sent[:2]] == [
+        ("HELLO", False),  # no reply: not ready
+        ("HELLO", False),
+    ]
+    assert learner.health.ready and learner.version == 0
+
+
+def test_a_broker_that_lost_the_weights_gets_the_current_version_again(new_learner):
+    learner = new_learner()
+    learner.client = broker = FakeBroker(learner, latest_version=4)
+    learner.connect()  # starts above the broker's newest version
+    assert learner.version == 5 and broker.latest == 5
+    broker.sent.clear()
+    learner.connect_hello()  # the same broker: it has version 5, nothing to send
+    assert [kind for kind, _, _ in broker.sent] == ["HELLO"]
+    broker.latest = -1  # restarted without a spool
+    learner.connect_hello()
+    begins = [version for kind, version, _ in broker.sent if kind == "PUBLISH_BEGIN"]
+    assert begins == [5] and broker.latest == 5 and learner.version == 5

@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 import yaml
 from conftest import ROOT, free_port
-from test_roles import steps_of, wait_for
+from test_roles import get, steps_of, wait_for
 
 PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
 pytestmark = pytest.mark.skipif(
@@ -76,17 +76,6 @@ def value(prom: str, expr: str) -> float:
     return float(result[0]["value"][1]) if len(result) == 1 else -1.0
 
 
-def get(url: str) -> tuple[int, bytes]:
-    """Status and body; status 0 while nothing listens yet."""
-    try:
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            return reply.status, reply.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except urllib.error.URLError:
-        return 0, b""
-
-
 @pytest.mark.timeout(300)
 def test_prometheus_scrapes_a_running_up_and_promtool_accepts_every_role(
     tmp_path, tiny_model, procs
@@ -127,7 +116,7 @@ def test_prometheus_scrapes_a_running_up_and_promtool_accepts_every_role(
         )
 
     wait_for(lambda: get(f"{prom}/-/ready")[0] == 200, 60, "Prometheus to start", [up])
-    trained = 'asyncppo_learner_tokens_trained_total{job="asyncppo-local",role="learner"}'
+    trained = 'asyncppo_learner_action_tokens_trained_total{job="asyncppo-local",role="learner"}'
     accepted = 'asyncppo_broker_trajectories_accepted_total{job="asyncppo-local",role="broker"}'
     wait_for(
         lambda: value(prom, trained) > 0 and value(prom, accepted) > 0,

@@ -1,5 +1,5 @@
 """Roles started by hand as in the README (separate processes, explicit endpoints), a late-joining
-actor, and actors added and removed while training runs."""
+actor, actors added and removed while training runs, and a broker restarted without a spool."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
+from broker_peers import BrokerProcess
 from conftest import ROOT, free_port, smoke_args
 
 from common.config import load_config
@@ -36,6 +39,17 @@ def wait_for(cond, timeout: float, what: str, procs=()) -> None:
             assert p.poll() is None, f"a role exited early while waiting for {what}"
         time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def get(url: str) -> tuple[int, bytes]:
+    """Status and body; status 0 while nothing listens yet."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except urllib.error.URLError:
+        return 0, b""
 
 
 def steps_of(run_dir) -> list[dict]:
@@ -138,3 +152,66 @@ def test_actors_scale_up_and_down_while_training(tmp_path, tiny_model, procs):
     versions = [s["version"] for s in steps_of(run_dir)]
     assert versions == sorted(versions) and len(set(versions)) == len(versions)
     assert len({a for s in steps_of(run_dir) for a in s["actors"]}) >= 3
+
+
+def test_a_broker_restarted_without_spool_gets_the_learners_weights_again(
+    tmp_path, tiny_model, procs
+):
+    """Without a spool a restarted broker has no weights: actors would wait (`no_weights`) and the
+    learner for a batch, forever. The learner's HELLO finds the broker behind and publishes its
+    current weights again, under its current version. The learner is ready (/readyz) only once
+    a broker has answered it."""
+    broker = BrokerProcess(tmp_path / "broker.log")  # no spool_dir: the default
+    metrics = f"http://127.0.0.1:{free_port()}"
+    common = ["--config", "configs/smoke.yaml"] + [
+        arg
+        for setting in (
+            f"model.path={tiny_model}",
+            f"run.out_dir={tmp_path}",
+            f"learner.broker={broker.address}",
+            f"actor.broker={broker.address}",
+            "learner.total_steps=0",
+            "learner.batch_size=4",
+            "learner.broker_timeout_s=3",  # a GET_BATCH lost with the broker times out soon
+        )
+        for arg in ("--set", setting)
+    ]
+    learner_log = tmp_path / "learner.log"
+    learner = procs.start(
+        ["learner", *common, "--metrics-port", metrics.rsplit(":", 1)[1]], learner_log
+    )
+    actor = procs.start(["actor", *common, "--set", "actor.id=a"], tmp_path / "actor.log")
+    try:
+        wait_for(lambda: "learner ready" in learner_log.read_text(), 120, "the models", [learner])
+        time.sleep(1)
+        assert get(f"{metrics}/readyz")[0] == 503, "ready before any broker answered"
+        broker.start()
+        wait_for(lambda: get(f"{metrics}/readyz")[0] == 200, 60, "readiness", [learner])
+        wait_for(lambda: steps_of(tmp_path), 180, "a learner step", [learner, actor])
+        actor.send_signal(signal.SIGSTOP)  # no more episodes: the learner ends up waiting
+
+        def waiting() -> bool:  # told WAIT: it published after its last step and asks again
+            lines = learner_log.read_text().splitlines()
+            return bool(lines) and '"waiting for a batch"' in lines[-1]
+
+        wait_for(waiting, 60, "the learner to wait for a batch", [learner])
+        version = steps_of(tmp_path)[-1]["version"] + 1  # the learner's current version
+        assert stats(broker.address)["policy_version"] == version
+        broker.kill()
+        broker.start()
+        wait_for(
+            lambda: stats(broker.address)["policy_version"] >= 0,
+            60,
+            "the learner's weights on the restarted broker",
+            [learner],
+        )
+        assert stats(broker.address)["policy_version"] == version
+        assert "broker lacks the current weights" in learner_log.read_text()
+        n = len(steps_of(tmp_path))
+        actor.send_signal(signal.SIGCONT)
+        wait_for(lambda: len(steps_of(tmp_path)) > n, 120, "training to go on", [learner, actor])
+        assert steps_of(tmp_path)[n]["version"] == version
+        learner.send_signal(signal.SIGTERM)
+        assert learner.wait(timeout=60) == 0, learner_log.read_text()[-2000:]
+    finally:
+        broker.close()
