@@ -10,7 +10,7 @@ import pytest
 from actors.envs import ENV_NAMES, Environment, StepResult, make_env
 from actors.envs.digits import digits_reward
 from actors.envs.guard import RULE_NAMES, check_action, keyword_judge, screen_action
-from actors.envs.maze import make_layout, manhattan
+from actors.envs.maze import make_layout, manhattan, parse_move
 from actors.envs.tooluse import parse_cases, run_cases
 
 # ---------------------------------------------------------------- registry and contract
@@ -214,6 +214,17 @@ def test_maze_walls_and_word_moves():
     assert read_facts(moved.observation, {})["position"] == (1, start[1])
 
 
+def test_maze_move_is_the_first_letter_of_the_action():
+    assert parse_move("R") == parse_move(" right.") == parse_move("r<|im_end|>") == (1, 0)
+    assert parse_move("\tDown the hall") == (0, -1) and parse_move("up") == (0, 1)
+    for action in ("", "   ", "x", "go left", ".L"):
+        assert parse_move(action) is None
+    env = make_env("maze", action_tokens=2)
+    assert env.max_new_tokens == 2
+    with pytest.raises(ValueError, match="action_tokens"):
+        make_env("maze", action_tokens=0)
+
+
 def test_maze_easy_instances_show_the_optimal_move():
     env = make_env("maze")
     easy = [s for s in range(200) if make_layout(random.Random(s), 50).optimal_turns <= 4]
@@ -222,7 +233,7 @@ def test_maze_easy_instances_show_the_optimal_move():
     for seed in easy:
         observation = env.reset(seed)
         while True:
-            result = env.step(re.search(r"Hint: ([UDLR])\.", observation)[1])
+            result = env.step(re.search(r"Hint: \[([UDLR])\]\.", observation)[1])
             observation = result.observation
             if result.terminated:
                 break

@@ -9,11 +9,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from common.model import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,3 +120,23 @@ def test_async_quick(tmp_path):
         summary["simulated/k4"]["idle_fraction"]["mean"]
         < summary["simulated/k0"]["idle_fraction"]["mean"]
     )
+
+
+def test_maze_warmup_demonstrations_type_the_hint_and_mask_only_actions(tiny_model):
+    warmup = _load_bench("maze_warmup")
+    tokenizer = load_tokenizer(tiny_model)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for hint_rate, expected in ((1.0, 1.0), (0.0, 0.25)):
+        follows = []
+        for ids, mask in warmup.demonstrations(
+            tokenizer, episodes=40, turns=6, hint_rate=hint_rate, seed=3
+        ):
+            assert len(ids) == len(mask)
+            actions = [i for i, m in enumerate(mask) if m]
+            assert len(actions) % 2 == 0 and actions  # a letter, then the end of turn
+            for letter_at in actions[::2]:
+                assert ids[letter_at + 1] == end_of_turn and mask[letter_at - 1] == 0
+                text = tokenizer.decode(ids[:letter_at], skip_special_tokens=True)
+                hint = re.findall(r"Hint: \[([UDLR])\]", text)[-1]
+                follows.append(tokenizer.decode([ids[letter_at]]) == hint)
+        assert np.mean(follows) == pytest.approx(expected, abs=0.1)

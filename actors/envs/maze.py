@@ -14,17 +14,19 @@ from actors.envs.base import Info, StepResult, check_int, check_seed, check_step
 
 Point = tuple[int, int]
 
-# R is x+1, U is y+1; words are accepted for models that prefer them
-MOVES: dict[str, Point] = {
-    "r": (1, 0),
-    "right": (1, 0),
-    "l": (-1, 0),
-    "left": (-1, 0),
-    "u": (0, 1),
-    "up": (0, 1),
-    "d": (0, -1),
-    "down": (0, -1),
-}
+# R is x+1, U is y+1. A move is the first letter of the action, so "R", "r." and "Right" agree.
+MOVES: dict[str, Point] = {"r": (1, 0), "l": (-1, 0), "u": (0, 1), "d": (0, -1)}
+
+
+def parse_move(action: str) -> Point | None:
+    """The move named by the action's first non-space character, or None.
+
+    Only the first letter counts: a policy that starts its answer with the move is understood
+    whatever follows (a word, punctuation, a half-sampled token), which is what makes the task
+    reachable from a random-init model; the rest of the action is ignored, not rewarded.
+    """
+    text = action.lstrip()
+    return MOVES.get(text[0].lower()) if text else None
 
 
 @dataclass(frozen=True)
@@ -81,16 +83,19 @@ class MazeEnv:
     """Walk to the key, then to the door it names; reward 1 only on reaching the door with it.
 
     Invalid actions and bumps into the outer wall waste a turn. Instances that need at most
-    `hint_max_turns` turns print the next optimal move, so a tiny model has an easy start.
+    `hint_max_turns` turns print the next optimal move, so a tiny model has an easy start;
+    `action_tokens` caps the tokens sampled per turn (the move is the first letter).
     """
 
     name = "maze"
-    max_new_tokens = 8
     stop = ["\n"]
 
-    def __init__(self, max_turns: int = 50, hint_max_turns: int = 4) -> None:
+    def __init__(
+        self, max_turns: int = 50, hint_max_turns: int = 4, action_tokens: int = 8
+    ) -> None:
         self.max_turns = check_int("maze: max_turns", max_turns, minimum=2)
         self.hint_max_turns = check_int("maze: hint_max_turns", hint_max_turns, minimum=0)
+        self.max_new_tokens = check_int("maze: action_tokens", action_tokens, minimum=1)
         self._layout: MazeLayout | None = None
         self._running = False
 
@@ -113,7 +118,7 @@ class MazeEnv:
         action = check_step(self.name, self._running, action)
         layout = self._layout
         self._turns += 1
-        move = MOVES.get(action.strip().lower())
+        move = parse_move(action)
         if move is None:
             self._invalid_actions += 1
             event = f"Invalid action {action.strip()[:16]!r}; use U, D, L or R."
@@ -174,7 +179,7 @@ class MazeEnv:
         if layout.optimal_turns > self.hint_max_turns:
             return ""
         target = layout.door if self._has_key else layout.key
-        return f" Hint: {next_move(self._position, target)}."
+        return f" Hint: [{next_move(self._position, target)}]."  # the letter alone, as it is typed
 
     def _info(self, success: bool) -> Info:
         return {
