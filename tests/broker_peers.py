@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +100,14 @@ class BrokerProcess:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=timeout_s)
 
+    def rss_bytes(self) -> int:
+        """Resident memory of the broker process now."""
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+        raise RuntimeError(f"no VmRSS for pid {self.proc.pid}")
+
     def log_tail(self, nbytes: int = 3000) -> str:
         return self.log.read_bytes()[-nbytes:].decode(errors="replace")
 
@@ -172,6 +181,15 @@ def synthetic_weights(nbytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
         "layer.weight": torch.rand(numel - 2, generator=gen),
         "layer.bias": torch.rand(2, generator=gen),
     }
+
+
+def segment_digest(seg: Segment) -> str:
+    """sha256 of a segment's arrays, name by name: equal digests, equal tensors."""
+    h = hashlib.sha256()
+    for name, arr in seg.arrays().items():
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(arr))
+    return h.hexdigest()
 
 
 def fetch_chunks(client: Client, manifest: dict, window: int = 4) -> list[np.ndarray]:
@@ -265,9 +283,17 @@ class ScriptedActor(Peer):
         return []
 
     def send_segment(
-        self, permit: str, episode_id: str, index: int, *, last: bool, group_id: str | None = None
+        self,
+        permit: str,
+        episode_id: str,
+        index: int,
+        *,
+        last: bool,
+        group_id: str | None = None,
+        on_send: Callable[[Segment], None] | None = None,
     ) -> Segment:
-        """Build one segment at our current version and send it; returns it once acknowledged."""
+        """Build one segment at our current version and send it; returns it once acknowledged.
+        ``on_send`` sees the segment once it is built, right before it goes out."""
         seg = make_segment(
             permit=permit,
             actor_id=self.id,
@@ -279,6 +305,8 @@ class ScriptedActor(Peer):
             seed=self.episodes * 1000 + index,
             group_id=group_id,
         )
+        if on_send is not None:
+            on_send(seg)
         self.request("TRAJ", seg.header(), seg.arrays())
         return seg
 
@@ -290,6 +318,7 @@ class ScriptedActor(Peer):
         finish: bool = True,
         pause_s: float = 0.0,
         group_id: str | None = None,
+        on_send: Callable[[Segment], None] | None = None,
     ) -> list[Segment]:
         """One episode under ``permit``, each segment sent when done (``pause_s`` of "generation"
         before each); weights are swapped between segments when the broker has newer ones, so an
@@ -302,7 +331,11 @@ class ScriptedActor(Peer):
             if self.heartbeat() > self.version:
                 self.sync_weights()
             last = finish and index == segments - 1
-            sent.append(self.send_segment(permit, episode_id, index, last=last, group_id=group_id))
+            sent.append(
+                self.send_segment(
+                    permit, episode_id, index, last=last, group_id=group_id, on_send=on_send
+                )
+            )
         return sent
 
 
@@ -369,3 +402,20 @@ def hold_permits_until_killed(
     while True:
         actor.heartbeat()
         time.sleep(heartbeat_s)
+
+
+def stream_episodes_until_killed(
+    address: str, actor_id: str, num_tokens: int, segments: int, sent: Any
+) -> None:
+    """Child process: play episodes of ``segments`` segments of ``num_tokens`` tokens back to back
+    until someone kills the process. Right before each segment goes out, its ``(traj_id, digest)``
+    goes down the pipe ``sent``, so the parent can kill it while a given segment is on the wire,
+    and check whatever arrived against what was sent."""
+    actor = ScriptedActor(address, actor_id, num_tokens=num_tokens)
+    actor.hello()
+    actor.sync_weights()
+    while True:
+        for permit in actor.permits(1):
+            actor.play(
+                permit, segments, on_send=lambda seg: sent.send((seg.traj_id, segment_digest(seg)))
+            )

@@ -31,11 +31,14 @@ class Procs:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, args: list[str], log: Path, **kw) -> subprocess.Popen:
+    def start(
+        self, args: list[str], log: Path, *, launcher: tuple[str, ...] = (), **kw
+    ) -> subprocess.Popen:
+        """`python [launcher...] -m deploy.cli args...`: launcher is e.g. torchrun's module+flags."""
         out = open(log, "ab")  # noqa: SIM115 (owned by the process)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", *args],
+            [sys.executable, *launcher, "-m", "deploy.cli", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,

@@ -1,7 +1,8 @@
 """The broker as it runs in production: a real ``asyncppo broker`` process on a free port, real
 ZeroMQ peers (tests/broker_peers.py), real signals (kill -9, SIGTERM).
 
-Covered: staleness admission asserted on per-token versions, permits of dead actors, the spool
+Covered: staleness admission asserted on per-token versions, too-stale segments dropped on arrival
+and in the queue, backpressure in bytes, permits of dead actors, an actor killed mid-send, the spool
 across a kill -9 and a failing disk, every kind of malformed message, CurveZMQ, weight versioning /
 fan-out, and GRPO groups handed out whole.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -22,6 +24,7 @@ import msgpack
 import numpy as np
 import pytest
 from broker_peers import (
+    BYTES_PER_TOKEN,
     ROOT,
     BrokerProcess,
     Peer,
@@ -30,6 +33,8 @@ from broker_peers import (
     fetch_chunks,
     hold_permits_until_killed,
     make_segment,
+    segment_digest,
+    stream_episodes_until_killed,
     synthetic_weights,
 )
 
@@ -152,11 +157,22 @@ def test_staleness_bound_holds_on_every_trained_token(start_broker, max_stalenes
     assert stats["rejected_invalid"] == 0
 
 
-def test_a_permit_request_waits_for_capacity_and_is_answered_the_moment_it_frees(start_broker):
-    """Credit-based flow: no polling. A PERMITS_REQ that finds no capacity is parked and gets its
-    PERMITS as soon as capacity frees (here: the holder leaves), or WAIT after permits_wait_s."""
-    wait_s = 3.0
-    broker = start_broker({"broker.max_staleness": 0, "broker.permits_wait_s": wait_s})
+def learner_and_actor(broker, batch_size: int) -> tuple[ScriptedLearner, ScriptedActor]:
+    """A learner that published version 0 (asking for `batch_size` episodes) and an actor synced
+    to it."""
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.hello(batch_size=batch_size)
+    learner.publish(0)
+    actor = ScriptedActor(broker.address, "actor")
+    actor.hello()
+    actor.sync_weights()
+    return learner, actor
+
+
+def at_capacity(start_broker, permits_wait_s: float):
+    """A synchronous broker (capacity 2 episodes) whose permits the actor `holder` all holds,
+    and a second synced actor, `waiter`: (broker, learner, holder, waiter)."""
+    broker = start_broker({"broker.max_staleness": 0, "broker.permits_wait_s": permits_wait_s})
     learner = ScriptedLearner(broker.address, "learner")
     learner.hello(batch_size=2)  # capacity 2 episodes
     learner.publish(0)
@@ -165,6 +181,14 @@ def test_a_permit_request_waits_for_capacity_and_is_answered_the_moment_it_frees
         actor.hello()
         actor.sync_weights()
     assert len(holder.permits(2)) == 2
+    return broker, learner, holder, waiter
+
+
+def test_a_permit_request_waits_for_capacity_and_is_answered_the_moment_it_frees(start_broker):
+    """Credit-based flow: no polling. A PERMITS_REQ that finds no capacity is parked and gets its
+    PERMITS as soon as capacity frees (here: the holder leaves), or WAIT after permits_wait_s."""
+    wait_s = 3.0
+    broker, learner, holder, waiter = at_capacity(start_broker, wait_s)
 
     asked = time.monotonic()
     reply = waiter.request("PERMITS_REQ", {"n": 2, "version": 0})
@@ -192,15 +216,7 @@ def test_a_permit_request_waits_for_capacity_and_is_answered_the_moment_it_frees
 
 def test_a_rejected_permit_request_changes_nothing(start_broker):
     """A malformed PERMITS_REQ neither records its version nor discards the actor's parked one."""
-    broker = start_broker({"broker.max_staleness": 0, "broker.permits_wait_s": 5.0})
-    learner = ScriptedLearner(broker.address, "learner")
-    learner.hello(batch_size=2)  # capacity 2 episodes
-    learner.publish(0)
-    holder, waiter = (ScriptedActor(broker.address, name) for name in ("holder", "waiter"))
-    for actor in (holder, waiter):
-        actor.hello()
-        actor.sync_weights()
-    assert len(holder.permits(2)) == 2
+    broker, learner, holder, waiter = at_capacity(start_broker, 5.0)
     answer: dict = {}
 
     def ask() -> None:
@@ -217,6 +233,122 @@ def test_a_rejected_permit_request_changes_nothing(start_broker):
     holder.request("BYE")  # frees the capacity: the parked request is still there to get it
     asker.join(timeout=10)
     assert answer["reply"].kind == "PERMITS" and len(answer["reply"].header["permits"]) == 2
+
+
+def test_a_too_stale_segment_is_dropped_counted_and_never_handed_out(start_broker):
+    """What still arrives too old is dropped on both paths, counted per segment in `dropped_stale`,
+    and never trained on. On arrival: an actor holding a permit of version 0 sends after the
+    learner published version 2 (η = 1): ACK {dropped: stale}, the episode's segment accepted
+    earlier goes with it, and its permit is gone. In the queue: an episode accepted whole at
+    version 0 is dropped when the learner asks for a batch at version 2; the learner's next batch
+    holds only a fresh episode."""
+    broker = start_broker({"broker.max_staleness": 1})
+    learner, actor = learner_and_actor(broker, batch_size=2)
+    queued, playing = wait_until_permits(actor, 2)
+    actor.play(queued, segments=2)  # whole, at version 0
+    (first,) = actor.play(playing, segments=1, finish=False)
+    learner.publish(1)
+    learner.publish(2)  # version 0 is now 2 > η versions behind
+
+    late = make_segment(
+        permit=playing,
+        actor_id=actor.id,
+        episode_id=first.episode_id,
+        index=1,
+        last=True,
+        version=0,
+    )
+    reply = actor.request("TRAJ", late.header(), late.arrays())
+    assert reply.kind == "ACK" and reply.header.get("dropped") == "stale"
+    stats = learner.stats()
+    assert stats["dropped_stale"] == 2  # the late segment and its episode's accepted one
+    assert stats["accepted"] == 3 and stats["partial_episodes"] == 0
+    assert stats["permits_in_use"] == 0 and stats["queued_episodes"] == 1
+    with pytest.raises(TransportError) as exc:  # the episode is over, a resend does not revive it
+        actor.request("TRAJ", late.header(), late.arrays())
+    assert exc.value.code == "unknown_permit"
+
+    assert learner.get_batch(2, 1) is None  # the queued episode is too old for version 2
+    stats = learner.stats()
+    assert stats["dropped_stale"] == 4 and stats["handed_out"] == 0
+    assert stats["queued_episodes"] == 0 and stats["queue_bytes"] == 0
+
+    actor.sync_weights()
+    (fresh,) = wait_until_permits(actor, 1)
+    sent = actor.play(fresh, segments=1)
+    batch = learner.get_batch(2, 1)
+    assert batch is not None and [s.traj_id for s in batch] == [s.traj_id for s in sent]
+    stats = learner.stats()
+    assert stats["handed_out"] == 1 and stats["dropped_stale"] == 4
+    assert stats["rejected_invalid"] == stats["rejected_unknown_permit"] == 1  # the resend
+
+
+def test_a_full_byte_queue_pushes_back_until_the_learner_drains_it(start_broker, tmp_path):
+    """Backpressure in bytes. A segment that would take the queued bytes past
+    `broker.max_queue_bytes` gets the retryable `busy` ERROR and changes nothing, however often
+    it is resent: the queued bytes and the broker's memory stay put. A queue over the limit (here
+    restored by a restart with a smaller limit) answers PERMITS_REQ with WAIT queue_full. Once the
+    learner has taken a batch, the very same message is accepted and permits are granted again."""
+    num_tokens = 60_000  # ~1 MB a segment
+    seg_bytes = num_tokens * BYTES_PER_TOKEN
+    broker = start_broker(
+        {
+            "broker.max_queue_bytes": 2 * seg_bytes + seg_bytes // 2,  # room for two segments
+            "broker.spool_dir": str(tmp_path / "spool"),
+        }
+    )
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.hello(batch_size=2)
+    learner.publish(0)
+    actor = ScriptedActor(broker.address, "actor", num_tokens=num_tokens)
+    actor.hello()
+    actor.sync_weights()
+    first, second = wait_until_permits(actor, 2)
+    kept = actor.play(first, segments=2)
+    seg = make_segment(
+        permit=second,
+        actor_id=actor.id,
+        episode_id="second",
+        index=0,
+        last=True,
+        version=0,
+        num_tokens=num_tokens,
+    )
+    assert seg.nbytes == seg_bytes
+
+    def refused() -> None:
+        with pytest.raises(TransportError) as exc:
+            actor.request("TRAJ", seg.header(), seg.arrays())
+        assert (exc.value.code, exc.value.retryable) == ("busy", True)
+
+    refused()
+    rss = broker.rss_bytes()
+    for _ in range(20):
+        refused()
+    assert broker.rss_bytes() - rss < 4 * seg_bytes  # 20 segments went through it
+    stats = learner.stats()
+    assert stats["rejected_busy"] == 21 and stats["rejected_invalid"] == 0
+    assert stats["accepted"] == 2 and stats["queue_bytes"] == 2 * seg_bytes
+    assert stats["partial_episodes"] == 0 and stats["queued_episodes"] == 1
+
+    broker.kill()  # an operator lowers the limit below what is queued, and restarts it
+    broker.settings["broker.max_queue_bytes"] = seg_bytes
+    assert broker.start()["queue_bytes"] == 2 * seg_bytes
+    reply = actor.request("PERMITS_REQ", {"n": 1, "version": 0})
+    assert reply.kind == "WAIT" and reply.header["reason"] == "queue_full"
+    assert reply.header["retry_after_s"] > 0
+    refused()
+
+    learner.hello(batch_size=2)
+    batch = learner.get_batch(0, 1)
+    assert batch is not None and [s.traj_id for s in batch] == [s.traj_id for s in kept]
+    assert learner.stats()["queue_bytes"] == 0
+    reply = actor.request("TRAJ", seg.header(), seg.arrays())
+    assert reply.kind == "ACK" and not reply.header.get("duplicate")
+    assert len(wait_until_permits(actor, 1)) == 1
+    batch = learner.get_batch(0, 1)
+    assert batch is not None and [s.traj_id for s in batch] == [seg.traj_id]
+    assert broker.proc.poll() is None
 
 
 # ---------------------------------------------------------------- 2. actors that die or go silent
@@ -286,6 +418,77 @@ def test_permits_of_dead_and_silent_actors_are_reclaimed(start_broker):
     assert {seg.actor_id for seg in batch} == {"healthy"}
 
 
+def test_an_actor_killed_mid_send_leaves_only_whole_episodes(start_broker):
+    """kill -9 of an actor while a multi-MB segment is on the wire, three times, at random moments
+    of sending an episode's second segment. ZeroMQ delivers a multipart message whole or not at
+    all: the broker receives every segment sent before it and at most that one more, never part of
+    one; the learner gets only whole episodes, every tensor byte for byte what the actor sent; the
+    dead actor's unfinished episode is dropped as `incomplete_episode` once the heartbeat timeout
+    has passed, not before; the broker keeps serving."""
+    timeout_s, num_tokens, segments = 1.5, 500_000, 4  # 8.5 MB a segment: ~5-10 ms to arrive
+    broker = start_broker({"broker.heartbeat_timeout_s": timeout_s})
+    learner = ScriptedLearner(broker.address, "learner", timeout_s=15.0)
+    learner.hello(batch_size=8)
+    learner.publish(0)
+    ctx = multiprocessing.get_context("spawn")
+    rng = random.Random(0)
+    dropped = 0
+    for attempt in range(3):
+        before = learner.stats()
+        receiver, sender = ctx.Pipe(duplex=False)
+        actor = ctx.Process(
+            target=stream_episodes_until_killed,
+            args=(broker.address, f"streamer-{attempt}", num_tokens, segments, sender),
+        )
+        actor.start()
+        sender.close()
+        sent: list[tuple[str, str]] = []  # (traj_id, digest) of each segment it began to send
+        try:
+            while len(sent) < segments + 2:  # until the second episode's second segment goes out
+                assert receiver.poll(30), "the actor stopped sending"
+                sent.append(receiver.recv())
+            time.sleep(rng.uniform(0.0, 0.015))  # before, while or after its bytes cross
+            os.kill(actor.pid, signal.SIGKILL)
+            killed = time.monotonic()
+        finally:
+            if actor.is_alive():
+                actor.kill()
+            actor.join()
+        try:
+            while receiver.poll():  # what it began to send before it died
+                sent.append(receiver.recv())
+        except EOFError:
+            pass
+        receiver.close()
+        stats = learner.stats()
+        assert stats["dropped_incomplete_episode"] == before["dropped_incomplete_episode"]
+        assert stats["actors"] == 1  # not presumed dead yet
+
+        gone = wait_until(lambda: learner.stats()["actors"] == 0, timeout_s + 5, "the dead actor")
+        assert gone - killed >= timeout_s - 0.2
+        after = learner.stats()
+        assert after["permits_in_use"] == 0 and after["partial_episodes"] == 0
+        arrived = after["received"] - before["received"]
+        assert len(sent) - 1 <= arrived <= len(sent)  # at most the segment on the wire is lost
+        last_index = int(sent[arrived - 1][0].rsplit(".", 1)[1])
+        unfinished = 0 if last_index == segments - 1 else last_index + 1
+        dropped += unfinished
+        assert (
+            after["dropped_incomplete_episode"] - before["dropped_incomplete_episode"] == unfinished
+        )
+        whole = dict(sent[: arrived - unfinished])
+        assert after["queued_episodes"] * segments == len(whole) > 0
+        batch = learner.get_batch(0, after["queued_episodes"])
+        assert batch is not None
+        assert_whole_episodes(batch)
+        assert {seg.traj_id: segment_digest(seg) for seg in batch} == whole
+    assert dropped > 0
+    stats = learner.stats()
+    assert stats["accepted"] == stats["handed_out"] + stats["dropped_incomplete_episode"]
+    assert stats["rejected_invalid"] == 0 and stats["queue_bytes"] == 0
+    assert broker.proc.poll() is None
+
+
 # ------------------------------------------------------------------------------- 3. the spool
 def test_spool_survives_kill_9(start_broker, tmp_path):
     spool = tmp_path / "spool"
@@ -329,12 +532,7 @@ def test_spool_restores_episodes_in_segment_order_whatever_the_file_times(start_
     index. The episodes form one group, whose size survives the restart too."""
     spool = tmp_path / "spool"
     broker = start_broker({"broker.spool_dir": str(spool)})
-    learner = ScriptedLearner(broker.address, "learner")
-    learner.hello(batch_size=2)
-    learner.publish(0)
-    actor = ScriptedActor(broker.address, "actor")
-    actor.hello()
-    actor.sync_weights()
+    learner, actor = learner_and_actor(broker, batch_size=2)
     done, playing = wait_until_permits(actor, 2, group=2)
     sent = actor.play(done, segments=2, group_id="g")
     sent += actor.play(playing, segments=3, finish=False, group_id="g")
@@ -361,12 +559,7 @@ def test_a_failing_spool_write_is_not_acknowledged_and_survived(start_broker, tm
     not stop, so the spool's segment directory is replaced by a file."""
     spool = tmp_path / "spool"
     broker = start_broker({"broker.spool_dir": str(spool)})
-    learner = ScriptedLearner(broker.address, "learner")
-    learner.hello(batch_size=1)
-    learner.publish(0)
-    actor = ScriptedActor(broker.address, "actor")
-    actor.hello()
-    actor.sync_weights()
+    learner, actor = learner_and_actor(broker, batch_size=1)
     first, second = wait_until_permits(actor, 2)
     kept = actor.play(first, segments=2)
 
@@ -673,12 +866,7 @@ def test_groups_are_handed_out_whole(start_broker):
     """GRPO normalises over a group, so a batch holds all of a group's episodes or none of them,
     however their lengths order their completion."""
     broker = start_broker()
-    learner = ScriptedLearner(broker.address, "learner")
-    learner.hello(batch_size=4)
-    learner.publish(0)
-    actor = ScriptedActor(broker.address, "actor")
-    actor.hello()
-    actor.sync_weights()
+    learner, actor = learner_and_actor(broker, batch_size=4)
     a0, a1, b0, b1 = wait_until_permits(actor, 4, group=2)
     for permit, group_id in ((a0, "a"), (b0, "b"), (b1, "b")):
         actor.play(permit, segments=1, group_id=group_id)
@@ -700,12 +888,7 @@ def test_a_group_whose_actor_died_is_dropped_whole(start_broker):
     """The finished episodes of a group that can never be whole are dropped, not trained alone."""
     timeout_s = 1.0
     broker = start_broker({"broker.heartbeat_timeout_s": timeout_s})
-    learner = ScriptedLearner(broker.address, "learner")
-    learner.hello(batch_size=2)
-    learner.publish(0)
-    actor = ScriptedActor(broker.address, "actor")
-    actor.hello()
-    actor.sync_weights()
+    learner, actor = learner_and_actor(broker, batch_size=2)
     done, playing = wait_until_permits(actor, 2, group=2)
     actor.play(done, segments=2, group_id="g")
     actor.play(playing, segments=1, finish=False, group_id="g")  # and then the actor dies

@@ -15,6 +15,7 @@ from broker_peers import BrokerProcess
 from conftest import ROOT, free_port, smoke_args
 
 from common.config import load_config
+from common.metrics import Health, serve_metrics
 from common.transport import Client, Endpoint, TransportError
 
 
@@ -111,6 +112,35 @@ def test_roles_by_hand_with_a_late_joiner(tmp_path, tiny_model, procs):
         assert p.wait(timeout=30) == 0
 
 
+def test_torchrun_learner_trains_data_parallel_on_two_ranks(tmp_path, tiny_model, procs):
+    """The multi-node learner command: torchrun starts 2 DeepSpeed ranks (gloo on CPU); rank 0
+    talks to the broker, both train every step and exit together."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    common = ["--config", "configs/smoke.yaml", "--set", f"model.path={tiny_model}"]
+    common += ["--set", f"run.out_dir={tmp_path}", "--set", "learner.total_steps=2"]
+    broker = procs.start(
+        ["broker", *common, "--set", f"broker.bind={endpoint}"], tmp_path / "broker.log"
+    )
+    actor = procs.start(["actor", *common, "--set", f"actor.broker={endpoint}"], tmp_path / "a.log")
+    torchrun = ("-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}")
+    learner = procs.start(
+        ["learner", *common, "--set", f"learner.broker={endpoint}"],
+        tmp_path / "learner.log",
+        launcher=torchrun,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert learner.wait(timeout=240) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+    log = (tmp_path / "learner.log").read_text().splitlines()
+    ready = [json.loads(x) for x in log if '"learner ready"' in x]
+    assert sorted((r["rank"], r["world"]) for r in ready) == [(0, 2), (1, 2)]
+    steps = steps_of(tmp_path)
+    assert [s["step"] for s in steps] == [0, 1] and all(s["episodes"] > 0 for s in steps)
+    assert stats(endpoint)["policy_version"] == 2
+    for p in (actor, broker):
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+
+
 def test_actors_scale_up_and_down_while_training(tmp_path, tiny_model, procs):
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
@@ -147,6 +177,8 @@ def test_actors_scale_up_and_down_while_training(tmp_path, tiny_model, procs):
     wait_for(lambda: len(steps_of(run_dir)) >= n + 2, 120, "training to go on with 1 actor", [up])
     up.send_signal(signal.SIGUSR1)  # +1 by signal
     wait_for(lambda: stats(endpoint).get("actors") == 2, 120, "the signalled actor", [up])
+    up.send_signal(signal.SIGUSR2)  # -1 by signal
+    wait_for(lambda: stats(endpoint).get("actors") == 1, 60, "the signalled actor to leave", [up])
     up.send_signal(signal.SIGINT)
     assert up.wait(timeout=90) == 0
     versions = [s["version"] for s in steps_of(run_dir)]
@@ -215,3 +247,27 @@ def test_a_broker_restarted_without_spool_gets_the_learners_weights_again(
         assert learner.wait(timeout=60) == 0, learner_log.read_text()[-2000:]
     finally:
         broker.close()
+
+
+def test_healthz_turns_503_when_the_loop_stalls_and_names_what_it_waits_for():
+    """The watchdog of every role: liveness fails after stall_s without a beat, recovers on the
+    next one; readiness also needs the role to say it is ready."""
+    health = Health(stall_s=0.5)
+    server = serve_metrics("127.0.0.1", 0, health, role="test")
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        health.beat("a batch from the broker")
+        assert get(f"{base}/healthz")[0] == 200
+        assert get(f"{base}/readyz")[0] == 503  # alive, not ready yet
+        time.sleep(0.8)
+        code, body = get(f"{base}/healthz")
+        info = json.loads(body)
+        assert code == 503 and not info["alive"]
+        assert info["waiting_for"] == "a batch from the broker"
+        assert info["seconds_since_progress"] >= 0.5
+        health.beat()
+        health.ready = True
+        assert get(f"{base}/healthz")[0] == get(f"{base}/readyz")[0] == 200
+    finally:
+        server.shutdown()
+        server.server_close()
