@@ -8,7 +8,8 @@ STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU build of torch (pinned); on a CUDA machine pip takes the CUDA build of the same release.
+	# torch pinned: where a CPU build of 2.13.0 is on the pip path (CI's machines) pip takes it;
+	# from PyPI on Linux it is the CUDA build of the same release, which runs on CPU too.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	rm -f $(VENV)/.installed-*

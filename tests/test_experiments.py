@@ -103,6 +103,18 @@ def test_icepop_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_icepop_smollm2_quick(tmp_path):
+    if not (ROOT / experiments.SMOLLM2 / "config.json").exists():
+        pytest.skip(f"{experiments.SMOLLM2} is missing: run `make smollm2`")
+    report = run_quick("icepop_smollm2", tmp_path)
+    assert report["model"] == experiments.SMOLLM2
+    for corr, stats in report["summary"].items():
+        assert 0.0 < stats["kept_fraction"]["mean"] <= 1.0, corr
+        # bf16 sampling of real weights vs their fp32 recompute: a visible mismatch
+        assert stats["importance_weight_max"] > 1.0, corr
+
+
+@pytest.mark.slow
 def test_staleness_quick(tmp_path):
     report = run_quick("staleness", tmp_path)
     for run in report["runs"]:

@@ -22,8 +22,8 @@ def parse_move(action: str) -> Point | None:
     """The move named by the action's first non-space character, or None.
 
     Only the first letter counts: a policy that starts its answer with the move is understood
-    whatever follows (a word, punctuation, a half-sampled token), which is what makes the task
-    reachable from a random-init model; the rest of the action is ignored, not rewarded.
+    whatever follows (a word, punctuation, a token cut off by the action budget); the rest of the
+    action is ignored, not rewarded. An exact-match rule left a random-init model 0.02% valid turns.
     """
     text = action.lstrip()
     return MOVES.get(text[0].lower()) if text else None
