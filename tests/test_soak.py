@@ -55,7 +55,9 @@ def test_short_soak_reports_memory_and_throughput_of_every_role(tmp_path, tiny_m
 
     started = [s for s in samples if set(s["rss_bytes"]) == ROLES]
     assert len(started) >= len(samples) - 5  # every role sampled from its start to the end
-    for s in started:
+    # a role sampled the instant it was spawned is a bare interpreter (~10 MB); once training
+    # runs, every role has imported torch
+    for s in (s for s in started if s["learner_steps"] > 0):
         assert all(10 << 20 < b < 4 << 30 for b in s["rss_bytes"].values()), s["rss_bytes"]
     for key in ("learner_steps", "tokens_trained", "accepted", "policy_version"):
         series = [s[key] for s in samples]
