@@ -297,18 +297,15 @@ def validate(cfg: Config) -> Config:
         "actor.max_segment_steps",
         "broker.max_message_bytes",
     ]
-    for key in positive:
-        section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) < 1:
-            raise ConfigError(
-                f"config key '{key}' must be >= 1, got {getattr(getattr(cfg, section), name)!r}"
-            )
-    for key in ("learner.broker_timeout_s", "run.stall_timeout_s"):
-        section, name = key.split(".")
-        if not getattr(getattr(cfg, section), name) > 0:
-            raise ConfigError(
-                f"config key '{key}' must be > 0, got {getattr(getattr(cfg, section), name)!r}"
-            )
+    for keys, holds, rule in (
+        (positive, lambda v: v >= 1, ">= 1"),
+        (("learner.broker_timeout_s", "run.stall_timeout_s"), lambda v: v > 0, "> 0"),
+    ):
+        for key in keys:
+            section, name = key.split(".")
+            value = getattr(getattr(cfg, section), name)
+            if not holds(value):
+                raise ConfigError(f"config key '{key}' must be {rule}, got {value!r}")
     if cfg.broker.max_staleness < 0:
         raise ConfigError(
             f"config key 'broker.max_staleness' must be >= 0, got {cfg.broker.max_staleness}"
