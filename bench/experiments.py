@@ -309,53 +309,48 @@ def ppo_vs_grpo_runs(quick: bool, seeds: int) -> list[Run]:
     return runs
 
 
-def icepop_runs(quick: bool, seeds: int) -> list[Run]:
-    """Actors sample in bfloat16, the learner trains float32; staleness 0 isolates that mismatch."""
-    steps = 15 if quick else 40
+def mismatch_runs(base: Run, steps: int, seeds: int) -> list[Run]:
+    """`base` once per correction and seed: actors sample in bfloat16, the learner trains in
+    float32, and staleness 0 isolates that mismatch."""
     return [
-        Run(
-            f"{corr}-s{seed}",
-            {"correction": corr},
-            {
-                **DIGITS,
+        dataclasses.replace(
+            base,
+            name=f"{corr}-s{seed}",
+            labels={"correction": corr},
+            overrides={
+                **base.overrides,
                 "actor.engine_dtype": "bfloat16",
                 "model.dtype": "float32",
                 "learner.correction": corr,
                 "broker.max_staleness": 0,
                 "learner.total_steps": steps,
             },
-            seed,
-            wall_s=60 if quick else 180,
+            seed=seed,
         )
         for corr in ("none", "tis", "icepop")
         for seed in range(seeds)
     ]
+
+
+def icepop_runs(quick: bool, seeds: int) -> list[Run]:
+    """The tiny model on digits."""
+    return mismatch_runs(
+        Run("", {}, DIGITS, wall_s=60 if quick else 180), 15 if quick else 40, seeds
+    )
 
 
 def icepop_smollm2_runs(quick: bool, seeds: int) -> list[Run]:
-    """The natural mismatch of a real model: SmolLM2-135M-Instruct sampled in bfloat16 by the
-    actor and trained in float32 by the learner, on configs/smollm2-arith.yaml (1 actor)."""
-    steps = 3 if quick else 8
-    return [
-        Run(
-            f"{corr}-s{seed}",
-            {"correction": corr},
-            {
-                "model.path": SMOLLM2,
-                "model.builtin": None,
-                "actor.engine_dtype": "bfloat16",
-                "learner.correction": corr,
-                "broker.max_staleness": 0,
-                "learner.total_steps": steps,
-            },
-            seed,
-            actors=1,
-            wall_s=240 if quick else 480,
-            config="configs/smollm2-arith.yaml",
-        )
-        for corr in ("none", "tis", "icepop")
-        for seed in range(seeds)
-    ]
+    """The natural mismatch of a real model: SmolLM2-135M-Instruct on configs/smollm2-arith.yaml
+    (1 actor)."""
+    base = Run(
+        "",
+        {},
+        {"model.path": SMOLLM2, "model.builtin": None},
+        actors=1,
+        wall_s=240 if quick else 480,
+        config="configs/smollm2-arith.yaml",
+    )
+    return mismatch_runs(base, 3 if quick else 8, seeds)
 
 
 def staleness_runs(quick: bool, seeds: int) -> list[Run]:
