@@ -175,6 +175,22 @@ def smooth(ys: list[float], window: int = 3) -> np.ndarray:
     return (csum[idx] - csum[lo]) / (idx - lo)
 
 
+def episodes_to_reach(runs: list[dict], level: float, window: int = 5) -> int | None:
+    """Sample efficiency: the episodes trained when the seed-mean success curve (trailing average
+    of `window` steps) first reaches `level`; None if it never does.
+
+    The runs of one arm train the same number of episodes per step, so their curves share an x
+    axis; it is cut to the shortest run.
+    """
+    runs = [r for r in runs if r["learner_steps"]]
+    if not runs:
+        return None
+    n = min(r["learner_steps"] for r in runs)
+    mean = np.mean([smooth(r["series"]["reward_mean"][:n], window) for r in runs], axis=0)
+    reached = np.flatnonzero(mean >= level)
+    return int(runs[0]["episodes"][reached[0]]) if reached.size else None
+
+
 def run_record(res: Result) -> dict[str, Any]:
     """What the JSON keeps of a run: configuration, summary, per-step series and derived metrics."""
     steps = res.steps
@@ -437,12 +453,27 @@ def summarize_ppo_vs_grpo(records: list[dict]) -> dict[str, Any]:
             ),
             "episodes": mean_std([r["episodes"][-1] for r in rs if r["episodes"]]),
         }
+    arms = groups(records, "task", "algorithm")
     for task in ("maze", "digits"):
         ppo, grpo = out.get(f"{task}/ppo"), out.get(f"{task}/grpo")
-        if ppo and grpo and grpo["final_reward"]["mean"] > 0:
-            out[f"{task}/ppo_over_grpo_final"] = (
-                ppo["final_reward"]["mean"] / grpo["final_reward"]["mean"]
+        if not (ppo and grpo and grpo["final_reward"]["mean"] > 0):
+            continue
+        final = grpo["final_reward"]["mean"]
+        out[f"{task}/ppo_over_grpo_final"] = ppo["final_reward"]["mean"] / final
+        # The claim's "1.8x sample efficiency": episodes each arm needs to cover 90% of GRPO's
+        # gain (start -> final). Undefined when GRPO gained nothing: any curve starts "there".
+        arm_runs = arms[(task, "ppo")] + arms[(task, "grpo")]
+        start = float(np.mean([np.mean(r["series"]["reward_mean"][:5]) for r in arm_runs]))
+        if final <= start:
+            out[f"{task}/sample_efficiency_ppo_over_grpo"] = (
+                f"undefined: GRPO's final {final:.3f} is not above the start {start:.3f}"
             )
+            continue
+        level = start + 0.9 * (final - start)
+        needed = {a: episodes_to_reach(arms[(task, a)], level) for a in ("ppo", "grpo")}
+        out[f"{task}/episodes_to_90pct_of_grpo_gain"] = {"start": start, "level": level, **needed}
+        if needed["ppo"] and needed["grpo"]:
+            out[f"{task}/sample_efficiency_ppo_over_grpo"] = needed["grpo"] / needed["ppo"]
     return out
 
 

@@ -190,14 +190,15 @@ def test_maze_text_only_optimal_policy_solves_in_optimal_turns():
         assert result.info["turns"] == result.info["optimal_turns"]
 
 
-def test_maze_do_nothing_policy_is_truncated_at_the_budget():
+def test_maze_do_nothing_policy_fails_terminally_at_the_budget():
+    """The budget is the task's rule: its end is a terminal 0, which the learner must not bootstrap."""
     env = make_env("maze")
     env.reset(5)
     for turn in range(1, 51):
         result = env.step("wait")
-        assert result.reward == 0.0 and not result.terminated
-        assert result.truncated == (turn == 50)
-        if not result.truncated:
+        assert result.reward == 0.0 and not result.truncated
+        assert result.terminated == (turn == 50)
+        if not result.terminated:
             assert "Invalid action 'wait'" in result.observation
     assert result.observation == "" and result.info["invalid_actions"] == 50
     with pytest.raises(RuntimeError):

@@ -18,8 +18,8 @@ class StepResult:
 
     observation: str  # text shown to the policy next (tool output); "" when the episode ended
     reward: float
-    terminated: bool  # the task really ended (success or failure): no bootstrap
-    truncated: bool  # cut by the turn budget without a terminal outcome: bootstrap
+    terminated: bool  # the task really ended (success, or failure by its own rules): no bootstrap
+    truncated: bool  # cut short while the task could still go on (an outside limit): bootstrap
     info: Info  # episode facts for metrics (success, turns, hacks_intercepted, ...)
 
     def __post_init__(self) -> None:

@@ -82,6 +82,7 @@ def _fmt(p: Point) -> str:
 class MazeEnv:
     """Walk to the key, then to the door it names; reward 1 only on reaching the door with it.
 
+    The episode terminates on success or when the `max_turns` budget is spent (reward 0).
     Invalid actions and bumps into the outer wall waste a turn. Instances that need at most
     `hint_max_turns` turns print the next optimal move, so a tiny model has an easy start;
     `action_tokens` caps the tokens sampled per turn (the move is the first letter).
@@ -136,8 +137,11 @@ class MazeEnv:
             event += " A locked door is here; you need the key."
 
         success = self._has_key and self._position == layout.door
-        truncated = not success and self._turns >= self.max_turns
-        self._running = not (success or truncated)
+        # The budget is a rule of the task, stated in the prompt and counted in every observation,
+        # so running out of it is a terminal failure (return exactly 0), not a cut to bootstrap:
+        # bootstrapping here credited failed episodes with the critic's average success value.
+        out_of_turns = not success and self._turns >= self.max_turns
+        self._running = not (success or out_of_turns)
         observation = ""
         if self._running:
             observation = (
@@ -147,8 +151,8 @@ class MazeEnv:
         return StepResult(
             observation,
             float(success),
-            terminated=success,
-            truncated=truncated,
+            terminated=not self._running,
+            truncated=False,
             info=self._info(success),
         )
 
