@@ -445,7 +445,8 @@ def groups(records: list[dict], *keys: str) -> dict[tuple, list[dict]]:
 
 def summarize_ppo_vs_grpo(records: list[dict]) -> dict[str, Any]:
     out = {}
-    for (task, algo), rs in groups(records, "task", "algorithm").items():
+    arms = groups(records, "task", "algorithm")
+    for (task, algo), rs in arms.items():
         out[f"{task}/{algo}"] = {
             "final_reward": mean_std([r["final_reward"] for r in rs]),
             "mean_reward_over_training": mean_std(
@@ -453,7 +454,6 @@ def summarize_ppo_vs_grpo(records: list[dict]) -> dict[str, Any]:
             ),
             "episodes": mean_std([r["episodes"][-1] for r in rs if r["episodes"]]),
         }
-    arms = groups(records, "task", "algorithm")
     for task in ("maze", "digits"):
         ppo, grpo = out.get(f"{task}/ppo"), out.get(f"{task}/grpo")
         if not (ppo and grpo and grpo["final_reward"]["mean"] > 0):

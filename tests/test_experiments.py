@@ -69,15 +69,19 @@ def test_pipeline_rates_count_only_time_outside_steps():
     assert math.isnan(experiments.pipeline_rates(steps[:1])["tokens_per_second"])
 
 
-def test_episodes_to_reach_reads_the_seed_mean_smoothed_curve():
-    def run(rewards):
-        return {
-            "learner_steps": len(rewards),
-            "episodes": [16 * (i + 1) for i in range(len(rewards))],
-            "series": {"reward_mean": rewards},
-        }
+def maze_record(rewards: list[float], algorithm: str = "ppo") -> dict:
+    """The fields of a run record that the sample-efficiency summary reads, 16 episodes a step."""
+    return {
+        "labels": {"task": "maze", "algorithm": algorithm},
+        "learner_steps": len(rewards),
+        "episodes": [16 * (i + 1) for i in range(len(rewards))],
+        "series": {"reward_mean": rewards},
+        "final_reward": rewards[-1],
+    }
 
-    fast, slow = run([0.0, 1.0, 1.0, 1.0]), run([0.0, 0.0, 0.0, 1.0])
+
+def test_episodes_to_reach_reads_the_seed_mean_smoothed_curve():
+    fast, slow = maze_record([0.0, 1.0, 1.0, 1.0]), maze_record([0.0, 0.0, 0.0, 1.0])
     # seed mean [0, .5, .5, 1]; trailing mean over 2 steps [0, .25, .5, .75]
     assert experiments.episodes_to_reach([fast, slow], 0.5, window=2) == 48
     assert experiments.episodes_to_reach([fast], 0.5, window=2) == 32
@@ -87,25 +91,16 @@ def test_episodes_to_reach_reads_the_seed_mean_smoothed_curve():
 
 
 def test_sample_efficiency_is_episodes_to_90pct_of_grpos_gain_and_undefined_without_gain():
-    def record(algo, rewards):
-        return {
-            "labels": {"task": "maze", "algorithm": algo},
-            "learner_steps": len(rewards),
-            "episodes": [16 * (i + 1) for i in range(len(rewards))],
-            "series": {"reward_mean": rewards},
-            "final_reward": rewards[-1],
-        }
-
     grpo = [0.0] * 5 + [0.2, 0.4, 0.6, 0.8, 1.0] + [1.0] * 10
     ppo = [0.0] * 5 + [1.0] * 15  # reaches the level sooner
-    summary = experiments.summarize_ppo_vs_grpo([record("ppo", ppo), record("grpo", grpo)])
+    summary = experiments.summarize_ppo_vs_grpo([maze_record(ppo), maze_record(grpo, "grpo")])
     needed = summary["maze/episodes_to_90pct_of_grpo_gain"]
     assert needed["start"] == 0.0 and needed["level"] == pytest.approx(0.9)
     assert needed["ppo"] < needed["grpo"]
     assert summary["maze/sample_efficiency_ppo_over_grpo"] == needed["grpo"] / needed["ppo"]
 
     flat = experiments.summarize_ppo_vs_grpo(
-        [record("ppo", [0.5] * 20), record("grpo", [0.5] * 20)]
+        [maze_record([0.5] * 20), maze_record([0.5] * 20, "grpo")]
     )
     assert flat["maze/sample_efficiency_ppo_over_grpo"].startswith("undefined")
 
