@@ -175,6 +175,16 @@ def smooth(ys: list[float], window: int = 3) -> np.ndarray:
     return (csum[idx] - csum[lo]) / (idx - lo)
 
 
+def seed_curves(runs: list[dict], y_key: str, window: int) -> tuple[list[dict], np.ndarray]:
+    """The runs that trained at least one step, and their smoothed `y_key` series stacked into
+    [seeds, steps], cut to the shortest run so that the seeds share one x axis."""
+    runs = [r for r in runs if r["learner_steps"]]
+    if not runs:
+        return runs, np.empty((0, 0))
+    n = min(r["learner_steps"] for r in runs)
+    return runs, np.stack([smooth(r["series"][y_key][:n], window) for r in runs])
+
+
 def episodes_to_reach(runs: list[dict], level: float, window: int = 5) -> int | None:
     """Sample efficiency: the episodes trained when the seed-mean success curve (trailing average
     of `window` steps) first reaches `level`; None if it never does.
@@ -182,12 +192,10 @@ def episodes_to_reach(runs: list[dict], level: float, window: int = 5) -> int | 
     The runs of one arm train the same number of episodes per step, so their curves share an x
     axis; it is cut to the shortest run.
     """
-    runs = [r for r in runs if r["learner_steps"]]
+    runs, ys = seed_curves(runs, "reward_mean", window)
     if not runs:
         return None
-    n = min(r["learner_steps"] for r in runs)
-    mean = np.mean([smooth(r["series"]["reward_mean"][:n], window) for r in runs], axis=0)
-    reached = np.flatnonzero(mean >= level)
+    reached = np.flatnonzero(ys.mean(0) >= level)
     return int(runs[0]["episodes"][reached[0]]) if reached.size else None
 
 
@@ -531,12 +539,11 @@ def _curves(
     ax: Any, rs: list[dict], label: str, x_key: str = "episodes", y_key: str = "reward_mean"
 ) -> None:
     """Mean over seeds (smoothed) with a min-max band, truncated to the shortest run."""
-    rs = [r for r in rs if r["learner_steps"]]
+    rs, ys = seed_curves(rs, y_key, window=3)
     if not rs:
         return
-    n = min(r["learner_steps"] for r in rs)
+    n = ys.shape[1]
     x = np.asarray(rs[0][x_key][:n]) if x_key == "episodes" else np.arange(1, n + 1)
-    ys = np.stack([smooth(r["series"][y_key][:n]) for r in rs])
     (line,) = ax.plot(x, ys.mean(0), label=f"{label} (n={len(rs)})")
     if len(rs) > 1:
         ax.fill_between(x, ys.min(0), ys.max(0), alpha=0.2, color=line.get_color())
