@@ -21,12 +21,22 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
 
 from broker.admission import Admission, Permit, restore_permit
+from broker.registry import Conn, Registry
 from broker.spool import Spool
 from broker.weights import WeightStore, WeightVersion
 from common.config import Config
 from common.log import bind_version
 from common.metrics import Health
-from common.protocol import Message, ProtocolError, decode, encode, error_frames
+from common.protocol import (
+    CLIENT_KINDS,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+    error_frames,
+    is_int,
+    show,
+)
 from common.trajectory import Segment
 from common.transport import Endpoint, send
 
@@ -62,17 +72,30 @@ M_BYTES_OUT = PromCounter("asyncppo_broker_bytes_sent_total", "Bytes sent on the
 M_SPOOL_ERRORS = PromCounter(
     "asyncppo_broker_spool_errors_total", "Spool writes that failed (disk full, permissions)."
 )
+M_INTERNAL = PromCounter(
+    "asyncppo_broker_internal_errors_total",
+    "Requests whose handling raised an unexpected exception (answered ERROR internal; served on).",
+)
 M_FANOUT = Histogram(
     "asyncppo_broker_weight_fanout_seconds",
     "Commit of a version to an actor's last chunk of it.",
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
 
-ACTOR_KINDS = {"PERMITS_REQ", "TRAJ", "BYE"}
+ACTOR_KINDS = {"PERMITS_REQ", "TRAJ", "HEARTBEAT"}  # a registered actor on its own connection
 FREES_CAPACITY = {"GET_BATCH", "PUBLISH_COMMIT", "TRAJ", "BYE", "HELLO"}  # may end a permit wait
 LEARNER_KINDS = {"GET_BATCH", "PUBLISH_BEGIN", "PUBLISH_CHUNK", "PUBLISH_COMMIT"}
 SEEN_IDS = 1_000_000  # traj_ids remembered for duplicate detection
-NOT_INVALID = {"busy", "unknown_actor", "version_gone", "spool_error"}  # not the sender's fault
+NOT_INVALID = {  # not the sender's fault
+    "busy",
+    "unknown_actor",
+    "version_gone",
+    "spool_error",
+    "id_taken",
+    "learner_taken",
+    "actor_limit",
+    "internal",
+}
 STAT_COUNTS = (
     "received",
     "accepted",
@@ -92,9 +115,13 @@ def _nbytes(frames: list) -> int:
 
 
 def _check_permits_req(head: dict[str, Any]) -> None:
+    if head["n"] < 1:
+        raise ProtocolError("bad_value", "n", f"expected an int >= 1, got {head['n']}")
     group = head.get("group", 1)
-    if isinstance(group, bool) or not isinstance(group, int) or group < 1 or head["n"] < 1:
-        raise ProtocolError("bad_value", "n", "n and group must be ints >= 1")
+    if not is_int(group):
+        raise ProtocolError("bad_type", "group", f"expected int, got {show(group)}")
+    if group < 1:
+        raise ProtocolError("bad_value", "group", f"expected an int >= 1, got {group}")
 
 
 class Broker:
@@ -103,6 +130,13 @@ class Broker:
         self.health = health or Health()
         self.endpoint = Endpoint(cfg.security, cfg.broker.max_message_bytes)
         self.sock = self.endpoint.server(cfg.broker.bind)
+        self.curve = cfg.security.curve
+        self.registry = Registry(
+            heartbeat_timeout_s=cfg.broker.heartbeat_timeout_s,
+            learner_lease_s=cfg.broker.learner_lease_s,
+            max_actors=cfg.broker.max_actors,
+            key_roles=self.endpoint.key_roles if self.curve else None,
+        )
         self.admission = Admission(
             batch_size=cfg.learner.batch_size,
             publish_every=cfg.learner.publish_every,
@@ -116,11 +150,6 @@ class Broker:
         self.complete: dict[str, tuple[Permit, list[Segment]]] = {}
         self.queue_bytes = 0
         self.seen: OrderedDict[str, None] = OrderedDict()
-        self.actors: dict[str, float] = {}  # actor id -> last message (monotonic)
-        self.actor_versions: dict[
-            str, int
-        ] = {}  # actor id -> version it last reported (kept after it leaves)
-        self.learner_id: str | None = None
         self.pending_batch: tuple[list, Message, float] | None = None
         # actor id -> its PERMITS_REQ waiting for capacity (envelope, request, deadline), in
         # arrival order; an actor's newer request replaces its older one
@@ -167,85 +196,101 @@ class Broker:
 
     def tick(self) -> None:
         """Periodic work: reap silent actors, answer a parked GET_BATCH, export gauges, persist state."""
-        now = time.monotonic()
-        for actor_id, last in list(self.actors.items()):
-            if now - last > self.cfg.heartbeat_timeout_s:
-                del self.actors[actor_id]
-                self.parked_permits.pop(actor_id, None)
-                self._reclaim(actor_id, reason="actor_timeout")
+        for actor_id in self.registry.silent(time.monotonic()):
+            self._forget_actor(actor_id, reason="actor_timeout")
         if self.pending_batch is not None:
-            self._try_batch()
-        self._serve_parked_permits()
+            self._guarded("GET_BATCH", self.pending_batch[0], self._try_batch)
+        self._guarded("PERMITS_REQ", None, self._serve_parked_permits)
         M_QUEUE_ITEMS.set(
             sum(len(s) for s in self.partial.values())
             + sum(len(s) for _, s in self.complete.values())
         )
         M_QUEUE_BYTES.set(self.queue_bytes)
         M_PERMITS_USE.set(len(self.admission.in_flight))
-        M_ACTORS.set(len(self.actors))
+        M_ACTORS.set(len(self.registry.actors))
         self.health.beat("messages")
         self._flush_state()
 
     def handle(self, frames: list) -> None:
+        """One request: decode, dispatch, reply. Nothing a client sends can end the process: a
+        handler that raises anything but ProtocolError is logged, counted and answered
+        ``internal`` (not retryable), and the broker serves on."""
         envelope, body = frames[:1], frames[1:]
         M_BYTES_IN.inc(sum(f.buffer.nbytes for f in frames))
         msg = None
         try:
-            msg = decode(body, max_bytes=self.cfg.max_message_bytes)
-            reply = self._dispatch(msg, envelope, body)
+            msg = decode(body, max_bytes=self.cfg.max_message_bytes, kinds=CLIENT_KINDS)
+            reply = self._dispatch(msg, self._conn(envelope, body), envelope, body)
         except ProtocolError as exc:
             self._count_reject(exc, msg)
             self._send(envelope, error_frames(exc, msg.req if msg else exc.req))
+            return
+        except Exception:
+            self._internal_error(msg.kind if msg else None, envelope, msg.req if msg else 0)
             return
         if reply is not None:
             self._flush_state()  # write-ahead: what a reply announces (ACK, PERMITS) is on disk first
             self._send(envelope, reply)
         if self.parked_permits and msg.kind in FREES_CAPACITY:
-            self._serve_parked_permits()
+            self._guarded("PERMITS_REQ", None, self._serve_parked_permits)
 
-    def _dispatch(self, msg: Message, envelope: list, body: list) -> list | None:
-        head = msg.header
-        client = head.get("id")
-        if not isinstance(client, str) or not client:
-            raise ProtocolError("missing_field", "id", "every request carries the client id")
-        if msg.kind in LEARNER_KINDS and client != self.learner_id:
+    def _internal_error(self, kind: str | None, envelope: list | None, req: int) -> None:
+        """A bug, not bad input: log the traceback, count it, answer ERROR internal if we can."""
+        M_INTERNAL.inc()
+        log.exception("internal error while handling a request", kind=kind)
+        exc = ProtocolError("internal", "kind", f"the broker failed handling {kind}; see its log")
+        self._count_reject(exc, None)
+        if envelope is not None:
+            self._send(envelope, error_frames(exc, req))
+
+    def _guarded(self, kind: str, envelope: list | None, work: Callable[[], None]) -> None:
+        """Deferred work (a parked request answered on a tick): an exception is an internal error
+        of that request, which is then dropped, never a crash of the loop."""
+        try:
+            work()
+        except Exception:
+            if kind == "GET_BATCH":
+                self.pending_batch = None
+            else:
+                self.parked_permits.clear()
+            self._internal_error(kind, envelope, 0)
+
+    def _conn(self, envelope: list, body: list) -> Conn:
+        """The connection a request came in on; under Curve, the client key ZAP authenticated."""
+        key = body[0].get("User-Id") if self.curve else None
+        return Conn(envelope[0].bytes, key)
+
+    def _dispatch(self, msg: Message, conn: Conn, envelope: list, body: list) -> list | None:
+        """Role and identity checks (docs/protocol.md §4), then the kind's handler."""
+        client, now = msg.header["id"], time.monotonic()
+        self.registry.touch(client, conn, now)
+        if msg.kind in LEARNER_KINDS and not self.registry.is_learner(client, conn):
             raise ProtocolError(
                 "not_learner",
                 "id",
-                f"{client!r} is not the registered learner; send HELLO first",
+                f"{client!r} is not the registered learner on this connection; send HELLO",
                 retryable=True,
             )
-        is_actor_request = msg.kind in ACTOR_KINDS | {"HEARTBEAT"} and client != self.learner_id
-        if is_actor_request and client not in self.actors and msg.kind != "BYE":
-            raise ProtocolError(
-                "unknown_actor",
-                "id",
-                f"actor {client!r} is not registered; send HELLO",
-                retryable=True,
-            )
-        if client in self.actors:  # any message of a registered actor is liveness (downloads too)
-            self.actors[client] = time.monotonic()
-        if msg.kind == "PERMITS_REQ":  # validate before the version is recorded or parked
-            _check_permits_req(head)
-        if is_actor_request and isinstance(head.get("version"), int) and msg.kind != "TRAJ":
-            self.actor_versions[client] = head["version"]
+        if msg.kind in ACTOR_KINDS or (msg.kind == "BYE" and client in self.registry.actors):
+            self.registry.check_actor(client, conn)
+        if msg.kind == "HELLO":
+            return self._on_hello(msg, conn, now)
+        if msg.kind == "TRAJ":
+            return self._on_traj(msg, body)
         if msg.kind == "GET_BATCH":  # parked until a batch is ready (or batch_wait_s passes)
-            self.pending_batch = (envelope, msg, time.monotonic() + self.cfg.batch_wait_s)
+            self._check_get_batch(msg.header)
+            self.pending_batch = (envelope, msg, now + self.cfg.batch_wait_s)
             self._try_batch()
             return None
         if msg.kind == "PERMITS_REQ":  # parked while there is no capacity (or permits_wait_s)
+            _check_permits_req(msg.header)  # before the version is recorded or parked
+            self.registry.report(client, msg.header["version"])
             self.parked_permits.pop(client, None)
             reply = self._on_permits_req(msg)
             if reply is None:
-                deadline = time.monotonic() + self.cfg.permits_wait_s
-                self.parked_permits[client] = (envelope, msg, deadline)
+                self.parked_permits[client] = (envelope, msg, now + self.cfg.permits_wait_s)
             return reply
-        handler = getattr(self, f"_on_{msg.kind.lower()}", None)
-        if handler is None:
-            raise ProtocolError(
-                "unknown_kind", "kind", f"{msg.kind} is not a request the broker serves"
-            )
-        return handler(msg, body) if msg.kind == "TRAJ" else handler(msg)
+        return self._handlers[msg.kind](self, msg)
 
     def _send(self, envelope: list, frames: list) -> None:
         try:
@@ -274,16 +319,21 @@ class Broker:
         )
 
     # ------------------------------------------------------------ handlers
-    def _on_hello(self, msg: Message) -> list:
+    def _on_hello(self, msg: Message, conn: Conn, now: float) -> list:
         head, client = msg.header, msg.header["id"]
         if head["role"] == "learner":
             for key in ("batch_size", "publish_every"):
-                if not isinstance(head.get(key), int) or head[key] < 1:
-                    raise ProtocolError("bad_value", key, "learner HELLO needs an int >= 1")
+                if key not in head:
+                    raise ProtocolError("missing_field", key, "required in a learner HELLO")
+                if not is_int(head[key]):
+                    raise ProtocolError("bad_type", key, f"expected int, got {show(head[key])}")
+                if head[key] < 1:
+                    raise ProtocolError("bad_value", key, f"expected an int >= 1, got {head[key]}")
+            if self.registry.hello_learner(client, conn, now):
+                self.pending_batch = None  # a replaced learner's parked GET_BATCH goes unanswered
             self.admission.configure(
                 batch_size=head["batch_size"], publish_every=head["publish_every"]
             )
-            self.learner_id = client
             log.info(
                 "learner connected",
                 learner=client,
@@ -293,16 +343,21 @@ class Broker:
         elif head["role"] == "actor":
             held = head.get("held_permits", [])
             if not isinstance(held, list) or not all(isinstance(p, str) for p in held):
-                raise ProtocolError("bad_type", "held_permits", "must be a list of permit ids")
+                raise ProtocolError(
+                    "bad_type", "held_permits", "expected an array of permit ids (str)"
+                )
+            self._dirty |= self.registry.hello_actor(client, conn, now)  # bindings are spooled
             self.parked_permits.pop(client, None)  # the restarted actor no longer waits on it
             self._reclaim(client, keep=set(held), reason="actor_restart")
-            self.actors[client] = time.monotonic()
             log.info(
-                "actor connected", actor=client, version=head["version"], actors=len(self.actors)
+                "actor connected",
+                actor=client,
+                version=head["version"],
+                actors=len(self.registry.actors),
             )
         else:
             raise ProtocolError(
-                "bad_value", "role", f"must be 'actor' or 'learner', got {head['role']!r}"
+                "bad_value", "role", f"expected 'actor' or 'learner', got {show(head['role'])}"
             )
         return self._reply(
             msg,
@@ -315,13 +370,18 @@ class Broker:
         )
 
     def _on_heartbeat(self, msg: Message) -> list:
+        self.registry.report(msg.header["id"], msg.header["version"])
         return self._reply(msg, "HEARTBEAT_ACK", {"latest_version": self.weights.latest_version})
 
     def _on_bye(self, msg: Message) -> list:
-        self.actors.pop(msg.header["id"], None)
-        self.parked_permits.pop(msg.header["id"], None)
-        self._reclaim(msg.header["id"], reason="actor_left")
+        self._forget_actor(msg.header["id"], reason="actor_left")
         return self._reply(msg, "OK")
+
+    def _forget_actor(self, actor_id: str, reason: str) -> None:
+        """The actor left or went silent: its permits are freed and nothing of it is kept."""
+        self.registry.forget(actor_id)
+        self.parked_permits.pop(actor_id, None)
+        self._reclaim(actor_id, reason=reason)
 
     def _wait(self, msg: Message, reason: str, retry_after_s: float) -> list:
         return self._reply(
@@ -372,6 +432,17 @@ class Broker:
             self._flush_state()
             self._send(envelope, reply)
 
+    def _check_get_batch(self, head: dict[str, Any]) -> None:
+        if head["n"] < 1:
+            raise ProtocolError("bad_value", "n", f"expected an int >= 1, got {head['n']}")
+        if head["version"] > self.weights.latest_version:
+            raise ProtocolError(
+                "future_version",
+                "version",
+                f"version {head['version']} is newer than the latest "
+                f"{self.weights.latest_version}: publish it first",
+            )
+
     def _on_traj(self, msg: Message, body: list) -> list:
         M_RECEIVED.inc()
         self.counts["received"] += 1
@@ -394,12 +465,18 @@ class Broker:
                 f"{seg.permit!r} is not a permit held by {seg.actor_id!r}",
             )
         done = self.partial.get(permit.id, [])
-        if seg.segment != len(done) or (done and done[0].episode_id != seg.episode_id):
+        if done and done[0].episode_id != seg.episode_id:
+            raise ProtocolError(
+                "bad_value",
+                "episode_id",
+                f"permit {permit.id!r} plays episode {done[0].episode_id!r}, "
+                f"got {show(seg.episode_id)}",
+            )
+        if seg.segment != len(done):
             raise ProtocolError(
                 "bad_value",
                 "segment",
-                f"expected segment {len(done)} of episode "
-                f"{done[0].episode_id if done else seg.episode_id!r}, got {seg.segment}",
+                f"expected segment {len(done)} of episode {seg.episode_id!r}, got {seg.segment}",
             )
         if permit.group_size > 1:  # the learner groups by group_id, the broker by permit group
             first = next((segs[0] for _, segs in self._group(permit) if segs), None)
@@ -589,9 +666,11 @@ class Broker:
 
     def _on_publish_chunk(self, msg: Message) -> list:
         data = msg.tensors.get("data")
-        if data is None or data.dtype != np.uint8:
+        if data is None:
+            raise ProtocolError("missing_field", "data", "PUBLISH_CHUNK carries a tensor 'data'")
+        if data.dtype != np.uint8 or data.ndim != 1:
             raise ProtocolError(
-                "missing_field", "data", "PUBLISH_CHUNK carries one uint8 tensor 'data'"
+                "bad_dtype", "data", f"expected 1-D |u1, got {data.ndim}-D {data.dtype.str}"
             )
         self.weights.put(msg.header["version"], msg.header["chunk"], data)
         return self._reply(msg, "OK")
@@ -640,13 +719,13 @@ class Broker:
         return {
             **self.counts,
             "policy_version": self.weights.latest_version,
-            "actors": len(self.actors),
+            "actors": len(self.registry.actors),
             "permits_in_use": len(self.admission.in_flight),
             "permits_granted": self.admission.granted_total,
             "queued_episodes": len(self.complete),
             "queue_bytes": self.queue_bytes,
             "partial_episodes": len(self.partial),
-            "actor_versions": dict(self.actor_versions),
+            "actor_versions": self.registry.listed_versions(),
         }
 
     # ----------------------------------------------------------- durability
@@ -691,6 +770,7 @@ class Broker:
                 "queued": [vars(p) for p, _ in self.complete.values()],  # their groups
                 "counts": dict(self.counts),
                 "batch_id": self.batch_id,
+                "bindings": self.registry.bindings(),
             }
             self._dirty = False
             self._spool_write("state", self.spool.save_state, state)
@@ -721,8 +801,9 @@ class Broker:
             self._accept(permit, seg)
             restored += 1
         self.admission.queued = len(self.complete)
+        bindings = state.get("bindings", {})
         for actor_id in {p.actor_id for p in self.admission.in_flight.values()}:
-            self.actors.setdefault(actor_id, time.monotonic())
+            self.registry.restore_actor(actor_id, time.monotonic(), bindings.get(actor_id))
         log.info(
             "broker state restored",
             segments=restored,
@@ -730,3 +811,14 @@ class Broker:
             permits=len(self.admission.in_flight),
             version=self.weights.latest_version,
         )
+
+    _handlers: dict[str, Callable[[Broker, Message], list]] = {
+        "HEARTBEAT": _on_heartbeat,
+        "BYE": _on_bye,
+        "WEIGHTS_INFO": _on_weights_info,
+        "WEIGHTS_GET": _on_weights_get,
+        "PUBLISH_BEGIN": _on_publish_begin,
+        "PUBLISH_CHUNK": _on_publish_chunk,
+        "PUBLISH_COMMIT": _on_publish_commit,
+        "STATS": _on_stats,
+    }  # the kinds without a step of their own in _dispatch

@@ -72,6 +72,14 @@ class BrokerConfig:
         None,
         "Directory where accepted segments and the newest weights are written before they are acknowledged.",
     )
+    learner_lease_s: float = param(
+        30.0,
+        "The learner role belongs to the connection that took it; another connection may take it "
+        "over only once the holder has been silent this long (at once under Curve with the same key).",
+    )
+    max_actors: int = param(
+        10000, "Registered actors at most; a HELLO beyond it gets a retryable `actor_limit`."
+    )
 
 
 @dataclass
@@ -187,7 +195,12 @@ class SecurityConfig:
     server_public_key_file: str | None = param(None, "Clients: the broker's public key file.")
     client_secret_key_file: str | None = param(None, "Actor/learner: its own secret key file.")
     authorized_keys_dir: str | None = param(
-        None, "Broker: directory of client public keys allowed to connect."
+        None, "Broker: directory of the actors' public keys (they may connect and act as actors)."
+    )
+    learner_keys_dir: str | None = param(
+        None,
+        "Broker: directory of the public keys that may take the learner role (required with "
+        "curve; an actor key can never publish weights or take batches).",
     )
 
 
@@ -296,10 +309,15 @@ def validate(cfg: Config) -> Config:
         "actor.max_turns",
         "actor.max_segment_steps",
         "broker.max_message_bytes",
+        "broker.max_actors",
     ]
     for keys, holds, rule in (
         (positive, lambda v: v >= 1, ">= 1"),
-        (("learner.broker_timeout_s", "run.stall_timeout_s"), lambda v: v > 0, "> 0"),
+        (
+            ("learner.broker_timeout_s", "run.stall_timeout_s", "broker.learner_lease_s"),
+            lambda v: v > 0,
+            "> 0",
+        ),
     ):
         for key in keys:
             section, name = key.split(".")

@@ -9,6 +9,7 @@ frame's size against its declared dtype and shape, before any array is built ove
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,23 @@ PROTO = 1
 FRAME_DTYPES = {"<i4", "<i8", "|u1", "<f4", "<f2", "<u2", "|b1"}
 MAX_TENSORS = 1 << 16  # a BATCH carries 5 per segment
 MAX_NDIM = 4
+MAX_DIM = (1 << 31) - 1  # one dimension of a tensor shape
+# The product of a shape's non-zero dimensions: a 0 beside a 2**63 passes a byte count of 0 but
+# not numpy, so every shape is bounded before an array is built over the bytes.
+MAX_ELEMENTS = 1 << 40
+MAX_CLIENT_ID_LEN = 128
+CLIENT_ID = re.compile(r"[A-Za-z0-9._:@+/=-]+")  # no spaces, quotes or control characters
+
+
+def is_int(value: Any) -> bool:
+    """A msgpack integer: Python's bool is an int and ``True == 1``, so it is excluded by name."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """A client's value for an error message: its repr, cut short (no reply echoes a megabyte)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class ProtocolError(ValueError):
@@ -102,6 +120,24 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 
 
+CLIENT_KINDS = frozenset(
+    {
+        "HELLO",
+        "PERMITS_REQ",
+        "TRAJ",
+        "HEARTBEAT",
+        "BYE",
+        "WEIGHTS_INFO",
+        "WEIGHTS_GET",
+        "GET_BATCH",
+        "PUBLISH_BEGIN",
+        "PUBLISH_CHUNK",
+        "PUBLISH_COMMIT",
+        "STATS",
+    }
+)  # the kinds a broker serves; the others of SCHEMAS are its replies
+
+
 @dataclass(frozen=True)
 class Forward:
     """A received tensor sent on unchanged: ``frame`` is the transport's frame object behind
@@ -139,8 +175,56 @@ def _frame_bytes(frame: Any) -> memoryview:
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
-def decode(frames: list, *, max_bytes: int | None = None) -> Message:
-    """Frames -> Message, validated; raises ProtocolError naming the bad field."""
+def _unpack_header(view: memoryview) -> dict:
+    """Frame 0 -> the header map; ``bad_header`` says in plain words what is wrong with it."""
+    try:
+        head = msgpack.unpackb(view, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
+    except msgpack.ExtraData:
+        raise ProtocolError(
+            "bad_header", "frame0", "trailing bytes after the header map: send one map only"
+        ) from None
+    except UnicodeDecodeError:
+        raise ProtocolError("bad_header", "frame0", "a string is not valid UTF-8") from None
+    except ValueError as exc:  # the limits above, and msgpack's malformed-data errors
+        text = str(exc)
+        reason = (
+            "a bin (bytes) value in the header: bytes travel only as tensor frames"
+            if "bin" in text
+            else "an ext value in the header: msgpack extensions are not allowed"
+            if "ext" in text
+            else "a map key that is not a string"
+            if "map_key" in text or "key" in text
+            else "not one complete msgpack value (truncated or malformed)"
+        )
+        raise ProtocolError("bad_header", "frame0", reason) from None
+    except Exception:  # msgpack's other errors: bad type bytes, nesting too deep
+        raise ProtocolError(
+            "bad_header", "frame0", "not one complete msgpack value (malformed or nested too deep)"
+        ) from None
+    if not isinstance(head, dict):
+        raise ProtocolError(
+            "bad_header", "frame0", f"expected a msgpack map, got a {_type_name(head)}"
+        )
+    return head
+
+
+def _type_name(value: Any) -> str:
+    """The msgpack name of a decoded value's type, as docs/protocol.md uses them."""
+    if isinstance(value, bool):
+        return "bool"
+    if is_int(value):
+        return "int"
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def decode(
+    frames: list, *, max_bytes: int | None = None, kinds: frozenset[str] | None = None
+) -> Message:
+    """Frames -> Message, validated; raises ProtocolError naming the bad field, nothing else.
+
+    ``kinds`` restricts the accepted kinds (a broker serves ``CLIENT_KINDS``: a reply kind sent
+    to it is ``unknown_kind`` before its schema is read).
+    """
     if not frames:
         raise ProtocolError("empty", "frames", "message has no frames")
     views = [_frame_bytes(f) for f in frames]
@@ -149,30 +233,33 @@ def decode(frames: list, *, max_bytes: int | None = None) -> Message:
         raise ProtocolError(
             "too_large", "frames", f"{total} bytes exceeds the limit of {max_bytes}"
         )
+    head = _unpack_header(views[0])
     try:
-        head = msgpack.unpackb(
-            views[0], raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0
-        )
-    except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise ProtocolError("bad_header", "frame0", f"not a msgpack map: {exc}") from None
-    if not isinstance(head, dict):
-        raise ProtocolError("bad_header", "frame0", f"expected a map, got {type(head).__name__}")
-    try:
-        return _validate(head, views, frames)
+        return _validate(head, views, frames, kinds)
     except ProtocolError as exc:
         req = head.get("req")
-        exc.req = req if isinstance(req, int) and not isinstance(req, bool) else 0
+        exc.req = req if is_int(req) else 0
         raise
 
 
-def _validate(head: dict, views: list[memoryview], frames: list) -> Message:
-    if head.get("proto") != PROTO:
-        raise ProtocolError("bad_proto", "proto", f"expected {PROTO}, got {head.get('proto')!r}")
+def _validate(
+    head: dict, views: list[memoryview], frames: list, kinds: frozenset[str] | None
+) -> Message:
+    proto = head.get("proto")
+    if not is_int(proto) or proto != PROTO:
+        raise ProtocolError("bad_proto", "proto", f"expected the int {PROTO}, got {show(proto)}")
     kind = head.get("kind")
-    if kind not in SCHEMAS:
-        raise ProtocolError("unknown_kind", "kind", f"unknown message kind {kind!r}")
-    if not isinstance(head.get("req", 0), int) or isinstance(head.get("req", 0), bool):
-        raise ProtocolError("bad_type", "req", "must be an int")
+    if (
+        not isinstance(kind, str)
+        or kind not in SCHEMAS
+        or (kinds is not None and kind not in kinds)
+    ):
+        what = "a request the broker serves" if kinds is not None else "a message kind"
+        raise ProtocolError("unknown_kind", "kind", f"{show(kind)} is not {what}")
+    if not is_int(head.get("req", 0)):
+        raise ProtocolError("bad_type", "req", f"expected int, got {_type_name(head['req'])}")
+    if kind in CLIENT_KINDS:
+        check_client_id(head)
     for name, (types_, required) in SCHEMAS[kind].items():
         if name not in head:
             if required:
@@ -183,10 +270,57 @@ def _validate(head: dict, views: list[memoryview], frames: list) -> Message:
             raise ProtocolError(
                 "bad_type",
                 name,
-                f"expected {'/'.join(t.__name__ for t in types_)}, got {type(value).__name__}",
+                f"expected {'/'.join(_TYPE_NAMES[t] for t in types_)}, got {_type_name(value)}",
             )
     tensors, index = _decode_tensors(head.get("tensors", {}), views)
     return Message(kind, head, tensors, {name: frames[i] for name, i in index.items()})
+
+
+_TYPE_NAMES = {
+    int: "int",
+    float: "float",
+    str: "str",
+    bool: "bool",
+    dict: "map",
+    list: "array",
+    type(None): "nil",
+}
+
+
+def check_client_id(head: dict) -> str:
+    """The ``id`` every request carries: a short printable name (it keys the broker's state)."""
+    if "id" not in head:
+        raise ProtocolError("missing_field", "id", "every request carries the client id")
+    value = head["id"]
+    if not isinstance(value, str):
+        raise ProtocolError("bad_type", "id", f"expected str, got {_type_name(value)}")
+    if not 0 < len(value) <= MAX_CLIENT_ID_LEN or not CLIENT_ID.fullmatch(value):
+        raise ProtocolError(
+            "bad_value",
+            "id",
+            f"expected 1 to {MAX_CLIENT_ID_LEN} characters of A-Z a-z 0-9 . _ : @ + / = -, "
+            f"got {show(value)}",
+        )
+    return value
+
+
+def _check_shape(shape: Any, where: str) -> None:
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(is_int(d) and 0 <= d <= MAX_DIM for d in shape)
+    ):
+        raise ProtocolError(
+            "bad_shape",
+            f"{where}.shape",
+            f"expected an array of at most {MAX_NDIM} ints in [0, {MAX_DIM}], got {show(shape)}",
+        )
+    if math.prod(d for d in shape if d) > MAX_ELEMENTS:
+        raise ProtocolError(
+            "bad_shape",
+            f"{where}.shape",
+            f"the product of the non-zero dimensions of {show(shape)} exceeds {MAX_ELEMENTS}",
+        )
 
 
 def _decode_tensors(
@@ -205,36 +339,28 @@ def _decode_tensors(
         )
     out: dict[str, np.ndarray] = {}
     used: dict[str, int] = {}
+    taken: set[int] = set()
     for name, desc in descs.items():
-        where = f"tensors.{name}"
-        if not isinstance(name, str) or not isinstance(desc, dict):
+        where = f"tensors.{name if len(name) <= 40 else name[:37] + '...'}"
+        if not isinstance(desc, dict):
             raise ProtocolError(
-                "bad_tensors", where, "descriptor must be a map under a string name"
+                "bad_tensors", where, f"a descriptor is a map, got {_type_name(desc)}"
             )
         dtype, shape, idx = desc.get("dtype"), desc.get("shape"), desc.get("frame")
-        if dtype not in FRAME_DTYPES:
+        if not isinstance(dtype, str) or dtype not in FRAME_DTYPES:
             raise ProtocolError(
-                "bad_dtype", f"{where}.dtype", f"{dtype!r} not one of {sorted(FRAME_DTYPES)}"
+                "bad_dtype",
+                f"{where}.dtype",
+                f"expected one of {sorted(FRAME_DTYPES)}, got {show(dtype)}",
             )
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_NDIM
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-        ):
+        _check_shape(shape, where)
+        if not is_int(idx) or not 1 <= idx < len(views) or idx in taken:
             raise ProtocolError(
-                "bad_shape",
-                f"{where}.shape",
-                f"expected up to {MAX_NDIM} non-negative ints, got {shape!r}",
+                "bad_frame",
+                f"{where}.frame",
+                f"expected an unused frame index in [1, {len(views) - 1}], got {show(idx)}",
             )
-        if (
-            not isinstance(idx, int)
-            or isinstance(idx, bool)
-            or not 1 <= idx < len(views)
-            or idx in used.values()
-        ):
-            raise ProtocolError(
-                "bad_frame", f"{where}.frame", f"frame index {idx!r} invalid or reused"
-            )
+        taken.add(idx)
         used[name] = idx
         np_dtype = np.dtype(dtype)
         expected = math.prod(shape) * np_dtype.itemsize
@@ -245,6 +371,8 @@ def _decode_tensors(
                 f"frame has {views[idx].nbytes} bytes, dtype {dtype} "
                 f"shape {shape} needs {expected}",
             )
+        if dtype == "|b1" and expected and np.frombuffer(views[idx], dtype=np.uint8).max() > 1:
+            raise ProtocolError("bad_value", where, "a |b1 (bool) byte is 0 or 1")
         out[name] = np.frombuffer(views[idx], dtype=np_dtype).reshape(shape)
     return out, used
 

@@ -8,6 +8,7 @@ encryption with an allow-list enforced by a ZAP authenticator.
 
 from __future__ import annotations
 
+import secrets
 import socket
 import time
 from pathlib import Path
@@ -62,6 +63,27 @@ def generate_keys(out_dir: str | Path, name: str) -> tuple[Path, Path]:
     return Path(public), Path(secret)
 
 
+def load_key_roles(security: SecurityConfig) -> dict[str, frozenset[str]]:
+    """Z85 public key -> the roles it may take: ``actor`` from ``authorized_keys_dir``,
+    ``learner`` from ``learner_keys_dir`` (a key in both may take either)."""
+    roles: dict[str, set[str]] = {}
+    for role, key in (("actor", "authorized_keys_dir"), ("learner", "learner_keys_dir")):
+        keys_dir = getattr(security, key)
+        if not keys_dir or not Path(keys_dir).is_dir():
+            raise FileNotFoundError(
+                f"security.{key} {keys_dir!r} is not a directory (curve needs the public keys of "
+                f"the {role}s there: asyncppo keys generate)"
+            )
+        for public in zmq.auth.load_certificates(str(keys_dir)):
+            roles.setdefault(public.decode("ascii"), set()).add(role)
+    return {key: frozenset(r) for key, r in roles.items()}
+
+
+def new_routing_id() -> bytes:
+    """A random routing id (libzmq reserves ids that start with a zero byte)."""
+    return bytes([secrets.randbelow(255) + 1]) + secrets.token_bytes(15)
+
+
 class Endpoint:
     """Owns the process's ZeroMQ context and the Curve authenticator, and makes configured sockets."""
 
@@ -69,6 +91,7 @@ class Endpoint:
         self.ctx = zmq.Context.instance()
         self.security = security
         self.max_message_bytes = max_message_bytes
+        self.key_roles: dict[str, frozenset[str]] = {}  # Z85 client key -> roles it may take
         self._auth = None
 
     def socket(self, kind: int) -> zmq.Socket:
@@ -80,22 +103,23 @@ class Endpoint:
         return sock
 
     def server(self, bind: str) -> zmq.Socket:
-        """The broker's ROUTER, with Curve server keys and an allow-list when security.curve is on."""
+        """The broker's ROUTER, with Curve server keys and per-role allow-lists when curve is on.
+
+        ``ROUTER_HANDOVER``: a connection that presents a routing id already in use takes it over.
+        Reference clients pick a random 16-byte routing id per process and keep it when they
+        reopen their socket, so the broker's binding of a client id to its connection survives
+        the reopen; nobody else can present that id without knowing it.
+        """
         sock = self.socket(zmq.ROUTER)
-        sock.setsockopt(
-            zmq.ROUTER_MANDATORY, 1
-        )  # a reply to a vanished peer raises instead of vanishing
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, not vanishes
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if self.security.curve:
             from zmq.auth.thread import ThreadAuthenticator
 
-            keys_dir = self.security.authorized_keys_dir
-            if not keys_dir or not Path(keys_dir).is_dir():
-                raise FileNotFoundError(
-                    f"security.authorized_keys_dir {keys_dir!r} is not a directory"
-                )
+            self.key_roles = load_key_roles(self.security)
             self._auth = ThreadAuthenticator(self.ctx)
             self._auth.start()
-            self._auth.configure_curve(domain="*", location=str(keys_dir))
+            self._auth.configure_curve_callback(domain="*", credentials_provider=self)
             public, secret = _keypair(
                 self.security.server_secret_key_file, "security.server_secret_key_file"
             )
@@ -105,8 +129,14 @@ class Endpoint:
         sock.bind(bind)
         return sock
 
-    def client(self, connect: str) -> zmq.Socket:
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP: a client key may connect when some role allows it (``key`` is Z85)."""
+        return key.decode("ascii", "replace") in self.key_roles
+
+    def client(self, connect: str, routing_id: bytes | None = None) -> zmq.Socket:
         sock = self.socket(zmq.DEALER)
+        if routing_id is not None:
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
         if self.security.curve:
             public, secret = _keypair(
                 self.security.client_secret_key_file, "security.client_secret_key_file"
@@ -142,8 +172,9 @@ def send(sock: zmq.Socket, frames: list, envelope: list | None = None) -> None:
 class Client:
     """A DEALER that does request/reply with timeouts, and reopens its socket after a timeout.
 
-    Reopening (the "lazy pirate" pattern) discards replies to abandoned requests and gives the
-    broker a fresh identity, so a restarted broker sees a clean peer.
+    Reopening (the "lazy pirate" pattern) discards replies to abandoned requests. The socket
+    keeps its routing id, so the broker still knows the connection as the one that registered
+    this client's id (docs/protocol.md, Identity).
     """
 
     def __init__(
@@ -154,13 +185,14 @@ class Client:
         self.client_id = client_id
         self.timeout_s = timeout_s
         self._req = 0
-        self.sock = endpoint.client(connect)
+        self.routing_id = new_routing_id()  # kept across reopen: the broker binds our id to it
+        self.sock = endpoint.client(connect, self.routing_id)
 
     def reopen(self) -> None:
         self.sock.close(linger=0)
-        self.sock = self.endpoint.client(self.connect)
+        self.sock = self.endpoint.client(self.connect, self.routing_id)
 
-    def _send(
+    def send_request(
         self, kind: str, header: dict[str, Any] | None, tensors: dict[str, np.ndarray] | None
     ) -> int:
         self._req += 1
@@ -170,7 +202,7 @@ class Client:
         )
         return self._req
 
-    def _recv(self, kind: str, wanted: set[int], deadline: float) -> Message:
+    def recv_reply(self, kind: str, wanted: set[int], deadline: float) -> Message:
         """The next reply whose req is in ``wanted``; replies to abandoned requests are skipped."""
         while True:
             remaining = deadline - time.monotonic()
@@ -206,8 +238,8 @@ class Client:
         timeout_s: float | None = None,
     ) -> Message:
         """Send one request and wait for its reply. ERROR replies raise TransportError."""
-        req = self._send(kind, header, tensors)
-        return self._recv(
+        req = self.send_request(kind, header, tensors)
+        return self.recv_reply(
             kind, {req}, time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         )
 
@@ -225,14 +257,14 @@ class Client:
         in_flight: set[int] = set()
         for i, header in enumerate(headers):
             if len(in_flight) >= window:
-                msg = self._recv(kind, in_flight, time.monotonic() + self.timeout_s)
+                msg = self.recv_reply(kind, in_flight, time.monotonic() + self.timeout_s)
                 in_flight.discard(msg.req)
                 replies[msg.req] = msg
-            req = self._send(kind, header, tensors[i] if tensors else None)
+            req = self.send_request(kind, header, tensors[i] if tensors else None)
             order.append(req)
             in_flight.add(req)
         while in_flight:
-            msg = self._recv(kind, in_flight, time.monotonic() + self.timeout_s)
+            msg = self.recv_reply(kind, in_flight, time.monotonic() + self.timeout_s)
             in_flight.discard(msg.req)
             replies[msg.req] = msg
         return [replies[r] for r in order]

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from typing import TYPE_CHECKING
 
-from common.protocol import ProtocolError
+from common.protocol import MAX_DIM, ProtocolError, is_int, show
 
 if TYPE_CHECKING:
     import torch
@@ -33,65 +34,81 @@ DTYPE_BYTES = {
     "bool": 1,
 }
 MAX_WEIGHT_TENSORS = 100_000
+MAX_WEIGHT_NDIM = 8
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def validate_manifest(manifest: dict) -> None:
-    """Check a manifest from the network: types, sizes and offsets agree; raises ProtocolError."""
+    """Check a manifest from the network: types first, then sizes and offsets; raises ProtocolError.
+
+    Every value is type-checked before it is used as a key, compared or multiplied, so that no
+    input can raise anything but a ``bad_manifest`` naming the field.
+    """
 
     def need(cond: bool, where: str, msg: str) -> None:
         if not cond:
             raise ProtocolError("bad_manifest", f"manifest.{where}", msg)
 
+    def count(value: object) -> bool:  # an int >= 0 (never a bool)
+        return is_int(value) and value >= 0  # type: ignore[operator]
+
+    def digest(value: object) -> bool:
+        return isinstance(value, str) and SHA256.fullmatch(value) is not None
+
     for key in ("version", "chunk_bytes", "total_bytes"):
         value = manifest.get(key)
-        need(
-            isinstance(value, int) and not isinstance(value, bool) and value >= 0,
-            key,
-            "must be an int >= 0",
-        )
+        need(count(value), key, f"expected an int >= 0, got {show(value)}")
     need(manifest["chunk_bytes"] > 0, "chunk_bytes", "must be > 0")
     chunks, tensors = manifest.get("chunks"), manifest.get("tensors")
+    need(isinstance(chunks, list), "chunks", "expected an array")
     need(
-        isinstance(chunks, list)
-        and isinstance(tensors, list)
-        and len(tensors) <= MAX_WEIGHT_TENSORS,
-        "chunks",
-        "chunks and tensors must be lists",
+        isinstance(tensors, list) and len(tensors) <= MAX_WEIGHT_TENSORS,
+        "tensors",
+        f"expected an array of at most {MAX_WEIGHT_TENSORS} tensors",
     )
     total, chunk_bytes = manifest["total_bytes"], manifest["chunk_bytes"]
+    expected_chunks = max(1, -(-total // chunk_bytes))  # integer ceil: no float rounding
     need(
-        len(chunks) == max(1, math.ceil(total / chunk_bytes)),
+        len(chunks) == expected_chunks,
         "chunks",
-        "chunk count does not match total_bytes",
+        f"total_bytes {total} in chunks of {chunk_bytes} makes {expected_chunks} chunks, "
+        f"got {len(chunks)}",
     )
     for i, c in enumerate(chunks):
-        need(
-            isinstance(c, dict)
-            and isinstance(c.get("nbytes"), int)
-            and isinstance(c.get("sha256"), str),
-            f"chunks[{i}]",
-            "needs nbytes (int) and sha256 (str)",
-        )
+        need(isinstance(c, dict), f"chunks[{i}]", "expected a map {nbytes, sha256}")
+        need(count(c.get("nbytes")), f"chunks[{i}].nbytes", "expected an int >= 0")
+        need(digest(c.get("sha256")), f"chunks[{i}].sha256", "expected 64 lowercase hex digits")
         expected = min(chunk_bytes, total - i * chunk_bytes)
         need(c["nbytes"] == expected, f"chunks[{i}].nbytes", f"expected {expected}")
     offset = 0
     for i, t in enumerate(tensors):
+        need(isinstance(t, dict), f"tensors[{i}]", "expected a map")
+        need(isinstance(t.get("name"), str), f"tensors[{i}].name", "expected a str")
+        dtype = t.get("dtype")
         need(
-            isinstance(t, dict) and isinstance(t.get("name"), str), f"tensors[{i}]", "needs a name"
+            isinstance(dtype, str) and dtype in DTYPE_BYTES,
+            f"tensors[{i}].dtype",
+            f"expected one of {sorted(DTYPE_BYTES)}, got {show(dtype)}",
         )
-        need(t.get("dtype") in DTYPE_BYTES, f"tensors[{i}].dtype", f"one of {sorted(DTYPE_BYTES)}")
         shape = t.get("shape")
         need(
-            isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape),
+            isinstance(shape, list)
+            and len(shape) <= MAX_WEIGHT_NDIM
+            and all(is_int(d) and 0 <= d <= MAX_DIM for d in shape),
             f"tensors[{i}].shape",
-            "list of ints >= 0",
+            f"expected an array of at most {MAX_WEIGHT_NDIM} ints in [0, {MAX_DIM}]",
         )
-        need(t.get("offset") == offset, f"tensors[{i}].offset", f"expected {offset}")
         need(
-            t.get("nbytes") == math.prod(shape) * DTYPE_BYTES[t["dtype"]],
+            t.get("offset") == offset and count(t.get("offset")),
+            f"tensors[{i}].offset",
+            f"expected {offset}",
+        )
+        need(
+            count(t.get("nbytes")) and t["nbytes"] == math.prod(shape) * DTYPE_BYTES[dtype],
             f"tensors[{i}].nbytes",
             "does not match dtype and shape",
         )
+        need(digest(t.get("sha256")), f"tensors[{i}].sha256", "expected 64 lowercase hex digits")
         offset += t["nbytes"]
     need(offset == total, "total_bytes", f"tensors add up to {offset} bytes")
 

@@ -168,7 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         from broker.server import Broker
 
         _, health = _serve_role("broker", args, cfg)
-        Broker(cfg, health).run(_stop_flag())
+        try:
+            broker = Broker(cfg, health)
+        except (OSError, ValueError) as exc:  # key files, allow-lists, bind address, spool dir
+            print(f"asyncppo broker: {exc}", file=sys.stderr)
+            return 2
+        broker.run(_stop_flag())
         return 0
     from common.model import ensure_model
 

@@ -36,6 +36,7 @@ class Launcher:
         ]
         self.actors: dict[str, subprocess.Popen] = {}
         self.retired: list[str] = []
+        self.actor_versions: dict[str, int] = {}  # every actor seen, its newest version
         self.next_actor = 0
         self.target = args.actors if args.actors is not None else cfg.run.num_actors
         (self.run_dir / "actors.target").write_text(f"{self.target}\n")
@@ -90,10 +91,14 @@ class Launcher:
             print(f"[up] stopped {name} (actors: {len(self.actors)})", flush=True)
 
     def broker_stats(self) -> dict[str, Any]:
+        """The broker's STATS ({} when it does not answer). The broker forgets an actor once it
+        leaves, so the newest version each actor reported is kept here for the summary."""
         try:
-            return self.stats_client.request("STATS").header["stats"]
+            stats = self.stats_client.request("STATS").header["stats"]
         except TransportError:
             return {}
+        self.actor_versions.update(stats.get("actor_versions", {}))
+        return stats
 
     def steps(self) -> list[dict]:
         path = self.run_dir / "learner_steps.jsonl"
@@ -174,8 +179,8 @@ class Launcher:
             "tokens_trained": sum(s["tokens"] for s in steps),
             "reward_first": mean(rewards[:k]),
             "reward_last": mean(rewards[-k:]),
-            "actors": len(stats.get("actor_versions", {})),
-            "actor_versions": stats.get("actor_versions", {}),
+            "actors": len(self.actor_versions),
+            "actor_versions": dict(self.actor_versions),
             "max_staleness_seen": max((s["max_staleness"] for s in steps), default=0),
             "max_staleness_allowed": self.cfg.broker.max_staleness,
             "dropped_stale": stats.get("dropped_stale", 0),

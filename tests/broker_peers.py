@@ -234,6 +234,14 @@ class Peer:
     def stats(self) -> dict[str, Any]:
         return self.request("STATS").header["stats"]
 
+    def submit(self, kind: str, header: dict[str, Any] | None = None) -> int:
+        """Send a request without waiting (say, one the broker parks); its ``req``."""
+        return self.client.send_request(kind, header, None)
+
+    def reply_to(self, req: int, kind: str, timeout_s: float = 5.0) -> Message:
+        """The reply to a request sent with ``submit``."""
+        return self.client.recv_reply(kind, {req}, time.monotonic() + timeout_s)
+
     def send_raw(self, frames: list, timeout_s: float = 5.0) -> Message | None:
         """Send frames exactly as given (malformed on purpose); the decoded reply, or None."""
         send(self.client.sock, frames)

@@ -217,22 +217,15 @@ def test_a_permit_request_waits_for_capacity_and_is_answered_the_moment_it_frees
 def test_a_rejected_permit_request_changes_nothing(start_broker):
     """A malformed PERMITS_REQ neither records its version nor discards the actor's parked one."""
     broker, learner, holder, waiter = at_capacity(start_broker, 5.0)
-    answer: dict = {}
-
-    def ask() -> None:
-        answer["reply"] = waiter.request("PERMITS_REQ", {"n": 2, "version": 0})
-
-    asker = threading.Thread(target=ask)
-    asker.start()
+    parked = waiter.submit("PERMITS_REQ", {"n": 2, "version": 0})
     time.sleep(0.5)  # parked by now
-    same_id = Peer(broker.address, "waiter")  # the broker knows a client by its header id
-    with pytest.raises(TransportError) as exc:
-        same_id.request("PERMITS_REQ", {"n": 0, "version": 7})
+    with pytest.raises(TransportError) as exc:  # on the same connection, while the first waits
+        waiter.request("PERMITS_REQ", {"n": 0, "version": 7})
     assert exc.value.code == "bad_value"
     assert learner.stats()["actor_versions"]["waiter"] == 0
     holder.request("BYE")  # frees the capacity: the parked request is still there to get it
-    asker.join(timeout=10)
-    assert answer["reply"].kind == "PERMITS" and len(answer["reply"].header["permits"]) == 2
+    reply = waiter.reply_to(parked, "PERMITS_REQ", timeout_s=10)
+    assert reply.kind == "PERMITS" and len(reply.header["permits"]) == 2
 
 
 def test_a_too_stale_segment_is_dropped_counted_and_never_handed_out(start_broker):
@@ -632,9 +625,14 @@ class Feed:
         head = {**seg.header(), "id": self.actor.id, "req": 1, **header}
         return [bytes(f) for f in encode("TRAJ", head, tensors or seg.arrays())]
 
-    def forged(self, seg) -> list[bytes]:
+    def forged(self, seg) -> tuple[ScriptedActor, list[bytes]]:
         """The actor's segment, under its permit, sent by another registered actor."""
         self.intruder.hello()  # registered now, whatever the heartbeat timeout did meanwhile
+        return self.intruder, self.frames(seg, id=self.intruder.id)
+
+    def impersonated(self, seg) -> list[bytes]:
+        """The actor's own connection speaking under another registered actor's id."""
+        self.intruder.hello()
         return self.frames(seg, id=self.intruder.id)
 
     def send_valid(self) -> None:
@@ -704,6 +702,7 @@ BAD_INPUT = {  # case -> (frames built from a valid segment, expected code, expe
         "permit",
     ),
     "another actor's segment": (lambda f, s: f.forged(s), "actor_mismatch", "actor_id"),
+    "another actor's id": (lambda f, s: f.impersonated(s), "actor_mismatch", "id"),
 }
 
 
@@ -719,7 +718,9 @@ def test_malformed_message_is_rejected_counted_and_survived(bad_input_broker, ca
     broker, feed = bad_input_broker
     build, code, field = BAD_INPUT[case]
     before = feed.learner.stats()
-    reply = feed.actor.send_raw(build(feed, feed.segment()))
+    built = build(feed, feed.segment())
+    sender, frames = built if isinstance(built, tuple) else (feed.actor, built)
+    reply = sender.send_raw(frames)
     assert reply is not None and reply.kind == "ERROR", reply
     assert (reply.header["code"], reply.header["field"]) == (code, field), reply.header
     after = feed.learner.stats()
@@ -766,12 +767,16 @@ def generate_keys(out: Path, name: str) -> None:
     )
 
 
-def test_curve_admits_only_authorized_keys(start_broker, tmp_path):
-    keys, allowed = tmp_path / "keys", tmp_path / "authorized"
-    for name in ("broker", "trainer", "intruder"):
+def test_curve_admits_only_authorized_keys_each_to_its_role(start_broker, tmp_path):
+    """Two allow-lists: the learner's key may take the learner role, an actor's key may act. An
+    actor key can neither become the learner nor publish or take batches; an unknown key gets no
+    reply at all."""
+    keys, actors, learners = tmp_path / "keys", tmp_path / "actors", tmp_path / "learners"
+    for name in ("broker", "trainer", "worker", "intruder"):
         generate_keys(keys, name)
-    allowed.mkdir()
-    (allowed / "trainer.key").write_bytes((keys / "trainer.key").read_bytes())
+    for folder, name in ((actors, "worker"), (learners, "trainer")):
+        folder.mkdir()
+        (folder / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
 
     def client_security(name: str) -> SecurityConfig:
         return SecurityConfig(
@@ -780,23 +785,42 @@ def test_curve_admits_only_authorized_keys(start_broker, tmp_path):
             client_secret_key_file=str(keys / f"{name}.key_secret"),
         )
 
-    trusted = client_security("trainer")
     broker = start_broker(
         {
             "security.curve": True,
             "security.server_secret_key_file": str(keys / "broker.key_secret"),
-            "security.authorized_keys_dir": str(allowed),
+            "security.authorized_keys_dir": str(actors),
+            "security.learner_keys_dir": str(learners),
         },
-        security=trusted,
+        security=client_security("worker"),
     )
-    learner = ScriptedLearner(broker.address, "learner", security=trusted)
+    learner = ScriptedLearner(broker.address, "learner", security=client_security("trainer"))
     learner.hello(batch_size=2)
     learner.publish(0)
-    actor = ScriptedActor(broker.address, "actor", security=trusted)
+    actor = ScriptedActor(broker.address, "actor", security=client_security("worker"))
     actor.hello()
     actor.sync_weights()
     (permit,) = wait_until_permits(actor, 1)
     actor.play(permit, segments=1)
+
+    # The actor's key, under any id, cannot take the learner's role or do the learner's work.
+    rogue = ScriptedLearner(broker.address, "rogue", security=client_security("worker"))
+    with pytest.raises(TransportError) as exc:
+        rogue.hello(batch_size=2)
+    assert (exc.value.code, exc.value.retryable) == ("forbidden", False)
+    manifest, _ = pack_state_dict(synthetic_weights(1000), 1, 1 << 20)
+    for kind, header in (
+        ("PUBLISH_BEGIN", {"manifest": manifest}),
+        ("GET_BATCH", {"version": 0, "n": 1, "publishes_after": False}),
+    ):
+        for peer in (rogue, Peer(broker.address, "learner", security=client_security("worker"))):
+            with pytest.raises(TransportError) as exc:
+                peer.request(kind, header)
+            assert exc.value.code == "not_learner"
+    # The learner's key may not act: no permits for it.
+    with pytest.raises(TransportError) as exc:
+        ScriptedActor(broker.address, "shadow", security=client_security("trainer")).hello()
+    assert exc.value.code == "forbidden"
 
     for name, security in (("plain", SecurityConfig()), ("intruder", client_security("intruder"))):
         outsider = ScriptedActor(broker.address, name, security=security, timeout_s=1.0)
@@ -811,7 +835,8 @@ def test_curve_admits_only_authorized_keys(start_broker, tmp_path):
         outsider.close()
     stats = learner.stats()
     assert stats["received"] == 1 and stats["accepted"] == 1  # only the trusted actor's segment
-    assert stats["actors"] == 1 and stats["rejected_invalid"] == 0
+    assert stats["actors"] == 1 and stats["policy_version"] == 0
+    assert stats["rejected_forbidden"] == 2 and stats["rejected_not_learner"] == 4
 
 
 # ----------------------------------------------------------------------------- 6. weight fan-out

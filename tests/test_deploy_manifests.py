@@ -314,10 +314,10 @@ def test_config_paths_are_provided_to_the_roles_that_read_them() -> None:
         for path in persistent.get(role, []):
             on_claim = any(is_under(path, mount) for mount in claim_mounts(workload))
             assert on_claim, f"{role}: {path} is not on a persistent volume"
-    allowed = [
-        f for f in mounted_files(by_role["broker"]) if is_under(f, security["authorized_keys_dir"])
-    ]
-    assert len(allowed) == 2, f"broker allow-list should hold the learner and actor keys: {allowed}"
+    broker_files = mounted_files(by_role["broker"])
+    for key, role in (("authorized_keys_dir", "actor"), ("learner_keys_dir", "learner")):
+        allowed = [f for f in broker_files if is_under(f, security[key])]
+        assert allowed == [f"{security[key]}/{role}.key"], f"{key}: {allowed}"
 
 
 def test_broker_service_matches_pod_and_config() -> None:

@@ -21,6 +21,7 @@ import msgpack
 import numpy as np
 import psutil
 import pytest
+import torch
 import zmq
 from broker_peers import BrokerProcess, Peer
 from hypothesis import HealthCheck, given, settings
@@ -29,6 +30,7 @@ from test_protocol import SEGMENT_ERRORS, make_segment
 
 from common.protocol import SCHEMAS, ProtocolError, decode, encode
 from common.trajectory import MAX_ID_LEN, MAX_METRICS, Segment
+from common.weights import pack_state_dict, validate_manifest
 
 LATEST = 10  # the newest policy version the decoder is told about
 FUZZ = settings(
@@ -87,6 +89,43 @@ def test_arbitrary_headers_only_ever_raise_protocol_errors(kind, header, extra):
         check(frames)
     except ProtocolError as exc:
         assert exc.field in str(exc)
+
+
+@FUZZ
+@given(
+    key=st.sampled_from(["dtype", "shape", "frame", None]),
+    value=msgpack_values | st.lists(st.integers(-(2**63), 2**64 - 1), max_size=5),
+)
+def test_arbitrary_tensor_descriptors_only_ever_raise_protocol_errors(key, value):
+    """Containers, huge and zero dimensions in a descriptor: a ProtocolError, never a crash."""
+    frames = [bytes(f) for f in encode("STATS", {"id": "a1"}, {"x": np.zeros(4, np.uint8)})]
+    head = head_of(frames)
+    head["tensors"]["x"] = value if key is None else {**head["tensors"]["x"], key: value}
+    try:
+        decode([msgpack.packb(head, use_bin_type=True), *frames[1:]])
+    except ProtocolError as exc:
+        assert exc.field in str(exc)
+
+
+@FUZZ
+@given(
+    where=st.sampled_from(["", "chunks", "tensors"]),
+    key=st.sampled_from(
+        ["version", "chunk_bytes", "total_bytes", "nbytes", "sha256", "name", "dtype", "shape"]
+        + ["offset", "chunks", "tensors"]
+    ),
+    value=msgpack_values,
+)
+def test_arbitrary_weight_manifests_only_ever_raise_protocol_errors(where, key, value):
+    manifest, _ = pack_state_dict({"w": torch.zeros(8)}, 1, 16)
+    if where:
+        manifest[where][0] = {**manifest[where][0], key: value}
+    else:
+        manifest[key] = value
+    try:
+        validate_manifest(manifest)
+    except ProtocolError as exc:
+        assert exc.code == "bad_manifest" and exc.field.startswith("manifest")
 
 
 ARRAY_VALUES = {  # any value each wire dtype can hold, NaN and inf included
