@@ -18,13 +18,14 @@ from typing import Any
 import structlog
 from prometheus_client import Counter, Gauge, Histogram
 
-from actors.engine import SamplingParams, make_engine
+from actors.engines import SamplingParams, make_engine
 from actors.envs import make_env
 from actors.episode import ChatFormat, Episode
 from common.config import Config
 from common.log import bind_version
 from common.metrics import Health
 from common.model import load_tokenizer
+from common.retry import call_with_retry
 from common.trajectory import Segment
 from common.transport import Client, Endpoint, TransportError
 from common.weights import unpack_state_dict
@@ -88,23 +89,13 @@ class Actor:
     # ------------------------------------------------------------ broker calls
     def _call(self, kind: str, header: dict | None = None, tensors: dict | None = None) -> Any:
         """A request that survives broker restarts: retry with backoff, re-HELLO when forgotten."""
-        delay = 0.2
-        while True:
-            try:
-                return self.client.request(kind, header, tensors)
-            except TransportError as exc:
-                if not exc.retryable:
-                    raise
-                if self.should_stop():
-                    raise
-                self.health.beat(f"broker ({exc})")
-                log.warning(
-                    "broker request failed, retrying", kind=kind, error=str(exc), retry_in_s=delay
-                )
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                if exc.code == "unknown_actor":
-                    self.hello()
+        return call_with_retry(
+            lambda: self.client.request(kind, header, tensors),
+            what=kind,
+            should_stop=self.should_stop,
+            on_retry=lambda exc: self.health.beat(f"broker ({exc})"),
+            prepare=lambda exc: self.hello() if exc.code == "unknown_actor" else None,
+        )
 
     def hello(self) -> None:
         """Register (again, after a broker restart), naming the permits we still work on."""

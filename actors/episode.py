@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.engine import Generation
+from actors.engines import Generation
 from actors.envs.base import Environment, StepResult
 from common.trajectory import Segment
 
@@ -80,6 +80,7 @@ class SegmentBuilder:
     versions: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     turns: int = 0
+    sampling: tuple[float, float] | None = None  # (temperature, top_p) of every action in it
 
     def observe(self, ids: list[int]) -> None:
         self.tokens += ids
@@ -89,6 +90,13 @@ class SegmentBuilder:
         self.rewards += [0.0] * len(ids)
 
     def act(self, gen: Generation, reward: float) -> None:
+        sampling = (gen.temperature, gen.top_p)
+        if self.sampling not in (None, sampling):
+            raise ValueError(
+                f"one segment sampled with two settings (temperature, top_p): {self.sampling} "
+                f"and {sampling}; the learner scores a segment under one"
+            )
+        self.sampling = sampling
         self.tokens += gen.token_ids
         self.mask += [1] * len(gen.token_ids)
         self.logprobs += gen.logprobs
@@ -164,6 +172,8 @@ class Episode:
             last=last,
             terminated=terminated,
             truncated=truncated,
+            temperature=b.sampling[0],
+            top_p=b.sampling[1],
             tokens=np.asarray(b.tokens, dtype="<i4"),
             action_mask=np.asarray(b.mask, dtype="|u1"),
             behavior_logprobs=np.asarray(b.logprobs, dtype="<f4"),

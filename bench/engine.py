@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from actors.engine import SamplingParams, TorchEngine
+from actors.engines import SamplingParams, TorchEngine
 from common.model import build_tiny_model
 
 MODELS = {

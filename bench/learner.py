@@ -74,6 +74,8 @@ def synthetic_batch(episodes: int, seed: int = 0) -> list[Segment]:
                     last=last,
                     terminated=last,
                     truncated=not last,
+                    temperature=1.0,
+                    top_p=1.0,
                     tokens=rng.integers(5, 400, len(mask)).astype("<i4"),
                     action_mask=mask,
                     behavior_logprobs=np.where(mask == 1, -6.0, 0.0).astype(
@@ -143,7 +145,7 @@ class PlainStep:
                 lam=lc.lam,
                 critic_lam=lc.critic_lam,
                 adaptive_alpha=lc.adaptive_lambda_alpha,
-                max_segment_steps=self.cfg.actor.max_segment_steps,
+                max_segment_steps=self.cfg.learner.max_segment_steps,
             )
             advs.append(t.advantages)
             rets.append(t.returns)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from actors.actor import Actor
-from actors.engine import SamplingParams, TorchEngine
+from actors.engines import SamplingParams, TorchEngine
 from actors.envs import make_env
 from actors.episode import ChatFormat, Episode
 from bench.engine import measure  # TorchEngine and HF generate on one batch, alternating

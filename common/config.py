@@ -102,14 +102,17 @@ class ActorConfig:
         4, "Episodes asked for at once; they are generated as one batch."
     )
     group_size: int = param(1, "Episodes per prompt sharing a group_id (GRPO needs > 1).")
-    temperature: float = param(1.0, "Sampling temperature (the learner applies the same one).")
-    top_p: float = param(1.0, "Nucleus sampling threshold.")
+    temperature: float = param(
+        1.0, "Sampling temperature; each segment carries it and the learner scores with it."
+    )
+    top_p: float = param(
+        1.0, "Nucleus sampling threshold: only 1.0 can be trained on (the learner refuses < 1)."
+    )
     max_turns: int = param(50, "Turn budget of an episode; reaching it truncates the episode.")
     context_budget_tokens: int = param(
         512,
         "When the context passes this many tokens the environment compacts and a new segment starts.",
     )
-    max_segment_steps: int = param(50, "Turns per segment before a dynamic-truncation cut.")
     poll_every_tokens: int = param(
         16, "Check for new weights every this many generated tokens (mid-generation swap)."
     )
@@ -147,6 +150,9 @@ class LearnerConfig:
     adaptive_lambda_alpha: float | None = param(
         None,
         "If set, the policy lambda = 1 - 1/(alpha*L) per segment of L action tokens (length-adaptive).",
+    )
+    max_segment_steps: int = param(
+        50, "GAE is cut every this many turns inside a segment, bootstrapped (dynamic truncation)."
     )
     correction: str = param(
         "icepop", "Behavior-policy correction: icepop (mask), tis (truncate) or none."
@@ -307,7 +313,7 @@ def validate(cfg: Config) -> Config:
         "actor.permits_per_request",
         "actor.group_size",
         "actor.max_turns",
-        "actor.max_segment_steps",
+        "learner.max_segment_steps",
         "broker.max_message_bytes",
         "broker.max_actors",
     ]
@@ -336,6 +342,12 @@ def validate(cfg: Config) -> Config:
     if cfg.learner.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(
             f"config key 'learner.zero_stage' must be 0-3, got {cfg.learner.zero_stage}"
+        )
+    if cfg.actor.top_p != 1.0:
+        raise ConfigError(
+            f"config key 'actor.top_p' must be 1.0, got {cfg.actor.top_p!r}: the learner scores "
+            "the full softmax at the sampling temperature and refuses nucleus-sampled segments "
+            "(their pi_prox/mu would be shifted by the nucleus mass; docs/protocol.md section 10)"
         )
     if cfg.learner.algorithm == "grpo" and cfg.actor.group_size < 2:
         raise ConfigError("config key 'actor.group_size' must be >= 2 with learner.algorithm=grpo")

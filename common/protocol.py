@@ -85,6 +85,8 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "last": (_BOOL, True),
         "terminated": (_BOOL, True),
         "truncated": (_BOOL, True),
+        "temperature": (_NUM, True),
+        "top_p": (_NUM, True),
         "metrics": ((dict,), True),
     },
     "HEARTBEAT": {"version": (_INT, True)},

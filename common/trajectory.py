@@ -9,6 +9,7 @@ an untrusted trajectory is checked, field by field.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from common.protocol import Forward, ProtocolError
 
-ARRAYS = {  # name -> dtype on the wire (DESIGN.md's trajectory table)
+ARRAYS = {  # name -> dtype on the wire (docs/protocol.md, TRAJ)
     "tokens": np.dtype("<i4"),
     "action_mask": np.dtype("|u1"),
     "behavior_logprobs": np.dtype("<f4"),
@@ -34,9 +35,12 @@ META = (
     "last",
     "terminated",
     "truncated",
+    "temperature",
+    "top_p",
     "metrics",
 )
 MAX_ID_LEN = 256
+MAX_TEMPERATURE = 100.0
 MAX_METRICS = 64
 
 
@@ -52,6 +56,8 @@ class Segment:
     last: bool
     terminated: bool
     truncated: bool
+    temperature: float  # the sampling facts behind behavior_logprobs: the learner scores with them
+    top_p: float
     tokens: np.ndarray
     action_mask: np.ndarray
     behavior_logprobs: np.ndarray
@@ -131,7 +137,7 @@ class Segment:
         return seg
 
     def validate(self, latest_version: int | None = None) -> None:
-        """Consistency rules of DESIGN.md: lengths agree, masks binary, log-probs finite, no future versions.
+        """The rules of docs/protocol.md §6.1: lengths agree, masks binary, log-probs finite, no future versions.
 
         Every byte a broker accepts goes through here, so each rule is one vectorized pass without
         gathers (a 4 MB segment takes well under a millisecond); the exact offending rule is worked
@@ -193,6 +199,16 @@ class Segment:
             )
         if self.segment < 0:
             raise ProtocolError("bad_value", "segment", "must be >= 0")
+        if not (math.isfinite(self.temperature) and 0 < self.temperature <= MAX_TEMPERATURE):
+            raise ProtocolError(
+                "bad_value",
+                "temperature",
+                f"expected a finite number in (0, {MAX_TEMPERATURE}], got {self.temperature!r}",
+            )
+        if not 0 < self.top_p <= 1:  # NaN fails both comparisons
+            raise ProtocolError(
+                "bad_value", "top_p", f"expected a number in (0, 1], got {self.top_p!r}"
+            )
 
 
 def _check_ids(header: dict[str, Any]) -> None:

@@ -67,13 +67,16 @@ class Policy(nn.Module):
 
 
 def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float | torch.Tensor
 ) -> torch.Tensor:
     """log pi(token_t | tokens_<t) for every position t >= 1, aligned to tokens; position 0 gets 0.
 
-    The logits are divided by the actors' sampling temperature so the learner scores tokens under
-    the same distribution family the engine sampled from.
+    The logits are divided by the sampling temperature each row was sampled with (a float for
+    all rows, or a [B] tensor: segments carry their own), so the learner scores every token under
+    the distribution its engine sampled it from.
     """
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.to(logits.device, torch.float32)[:, None, None]
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     return torch.nn.functional.pad(picked, (1, 0))

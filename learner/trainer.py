@@ -1,6 +1,6 @@
 """The learner: DeepSpeed training of the policy (and critic) on batches from the broker.
 
-One step, top to bottom (DESIGN.md, "Learner algorithm"):
+One step, top to bottom (docs/architecture.md, "Learner step"):
 
 1. rank 0 asks the broker for a batch of whole episodes and broadcasts its raw frames; every rank
    decodes and validates them with the same wire decoder, then takes its share of episodes;
@@ -38,8 +38,9 @@ from common.log import bind_version
 from common.metrics import Health
 from common.model import state_dict_for_export, tied_keys
 from common.protocol import decode, encode
+from common.retry import Backoff, call_with_retry
 from common.trajectory import Segment
-from common.transport import Client, Endpoint, TransportError, free_port
+from common.transport import Client, Endpoint, free_port
 from common.weights import pack_state_dict
 from learner import data
 from learner.losses import (
@@ -61,7 +62,10 @@ M_TOKENS = Counter(
 )
 M_TRAJ = Counter("asyncppo_learner_trajectories_trained_total", "Segments trained on.")
 M_REJECTED = Counter(
-    "asyncppo_learner_segments_rejected_total", "Segments dropped: token ids outside the vocab."
+    "asyncppo_learner_segments_rejected_total",
+    "Segments dropped instead of trained, by reason: token ids outside the vocabulary (vocab), "
+    "sampled with a nucleus the learner cannot score (top_p).",
+    ["reason"],
 )
 M_IDLE = Counter("asyncppo_learner_idle_seconds_total", "Seconds spent waiting for batches.")
 M_STEP_S = Histogram(
@@ -264,16 +268,17 @@ class Learner:
 
     # ------------------------------------------------------------ the model
     def _forward(
-        self, input_ids: torch.Tensor, attn: torch.Tensor
+        self, input_ids: torch.Tensor, attn: torch.Tensor, temps: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One pass per model: policy log-probs [B,T] aligned to tokens and the critic's raw outputs
-        [B,T] (index t = the state after token t; None without a critic)."""
+        """One pass per model: policy log-probs [B,T] aligned to tokens, each row at its own
+        sampling temperature, and the critic's raw outputs [B,T] (index t = the state after
+        token t; None without a critic)."""
         if self.shared:
             logits, raw = self.policy(input_ids, attn)
         else:
             logits = self.policy(input_ids, attn)
             raw = self.critic(input_ids, attn) if self.critic is not None else None
-        return token_logprobs(logits, input_ids, self.cfg.actor.temperature), raw
+        return token_logprobs(logits, input_ids, temps), raw
 
     def _policy_module(self) -> torch.nn.Module:
         return self.policy.module.policy
@@ -312,22 +317,15 @@ class Learner:
     ) -> Any:
         """Requests to the broker survive its restarts: retry with backoff; when the broker has
         forgotten the learner, say HELLO again (``connect_hello``) before the retry."""
-        assert self.client is not None
-        delay, hello = 0.2, False
-        while True:
-            try:
-                if hello:
-                    self.connect_hello()
-                    hello = False
-                return self.client.request(kind, header, tensors, **kw)
-            except TransportError as exc:
-                if not exc.retryable or self._stop:
-                    raise
-                self.health.beat(f"broker ({exc})")
-                log.warning("broker request failed, retrying", kind=kind, error=str(exc))
-                time.sleep(delay)
-                delay = min(2 * delay, 5.0)
-                hello = hello or exc.code in ("not_learner", "unknown_actor")
+        client = self.client
+        assert client is not None
+        return call_with_retry(
+            lambda: client.request(kind, header, tensors, **kw),
+            what=kind,
+            should_stop=lambda: self._stop,
+            on_retry=lambda exc: self.health.beat(f"broker ({exc})"),
+            prepare=lambda exc: self.connect_hello() if exc.code == "not_learner" else None,
+        )
 
     def connect_hello(self) -> None:
         """HELLO again (the broker restarted). A broker whose newest version is older than ours
@@ -366,32 +364,32 @@ class Learner:
         A broker restart on the way (timeout, ``no_publish``, ``not_learner``) starts it over after
         a HELLO; it is done once the broker has this version (say, only the COMMIT's reply was lost).
         """
-        assert self.client is not None
+        client = self.client
+        assert client is not None
         version = manifest["version"]
         headers = [{"version": version, "chunk": i} for i in range(len(chunks))]
         frames = [{"data": np.frombuffer(c, dtype=np.uint8)} for c in chunks]
-        retry = False
-        while True:
-            try:
-                if retry and self._hello() >= version:
-                    return
-                self.client.request("PUBLISH_BEGIN", {"manifest": manifest})
-                for i in range(0, len(chunks), PUBLISH_GROUP):
-                    self.health.beat("publishing weights")
-                    self.client.pipeline(
-                        "PUBLISH_CHUNK",
-                        headers[i : i + PUBLISH_GROUP],
-                        tensors=frames[i : i + PUBLISH_GROUP],
-                    )
-                self.client.request("PUBLISH_COMMIT", {"version": version})
-                return
-            except TransportError as exc:
-                if not exc.retryable:
-                    raise
-                self.health.beat(f"broker ({exc})")
-                log.warning("publish interrupted, retrying", version=version, error=str(exc))
-                time.sleep(0.5)
-                retry = True
+
+        tries = 0
+
+        def attempt() -> None:
+            nonlocal tries
+            tries += 1
+            if tries > 1 and self._hello() >= version:
+                return  # interrupted after the broker had it (say, the COMMIT's reply was lost)
+            client.request("PUBLISH_BEGIN", {"manifest": manifest})
+            for i in range(0, len(chunks), PUBLISH_GROUP):
+                self.health.beat("publishing weights")
+                group = slice(i, i + PUBLISH_GROUP)
+                client.pipeline("PUBLISH_CHUNK", headers[group], tensors=frames[group])
+            client.request("PUBLISH_COMMIT", {"version": version})
+
+        call_with_retry(
+            attempt,
+            what=f"publish of version {version}",
+            on_retry=lambda exc: self.health.beat(f"broker ({exc})"),
+            backoff=Backoff(first_s=0.5, max_s=0.5),
+        )
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The policy's full state dict as ``publish`` sends it (tied tensors once); {} off rank 0.
@@ -449,20 +447,36 @@ class Learner:
             Segment.from_wire(h, msg.tensors, prefix=f"{i}.")
             for i, h in enumerate(msg.header["segments"])
         ]
-        return self._within_vocab(segs)
+        return self._trainable(segs)
 
-    def _within_vocab(self, segs: list[Segment]) -> list[Segment]:
-        """Drop (and count) episodes with token ids the model cannot embed, instead of crashing on them."""
+    def _trainable(self, segs: list[Segment]) -> list[Segment]:
+        """Drop (and count) whole episodes the learner cannot train on faithfully, instead of
+        crashing on them or training on a biased signal:
+
+        * token ids the model cannot embed;
+        * tokens sampled from a top-p nucleus (``top_p < 1``). The learner scores the full
+          softmax at the segment's temperature; for nucleus-sampled tokens μ is renormalised on the
+          nucleus, so π_prox/μ would equal the nucleus mass on every token (a systematic shift, not
+          staleness) and tokens outside the nucleus could never be sampled. Scoring under the
+          same nucleus would need π_θ's nucleus at every position (a sort over the vocabulary per
+          token); until then such segments are refused, naming their actors.
+        """
         vocab = self._policy_module().config.vocab_size
-        bad = {s.episode_id for s in segs if int(s.tokens.max()) >= vocab}
-        if bad:
-            M_REJECTED.inc(sum(s.episode_id in bad for s in segs))
-            log.error(
-                "segments with token ids outside the vocabulary dropped",
-                episodes=len(bad),
-                vocab_size=vocab,
-            )
-        return [s for s in segs if s.episode_id not in bad]
+        for reason, bad_segment, what in (
+            ("vocab", lambda s: int(s.tokens.max()) >= vocab, f"token ids >= vocab_size {vocab}"),
+            ("top_p", lambda s: s.top_p < 1.0, "sampled with top_p < 1, which it cannot score"),
+        ):
+            bad = {s.episode_id for s in segs if bad_segment(s)}
+            if bad:
+                dropped = [s for s in segs if s.episode_id in bad]
+                M_REJECTED.labels(reason=reason).inc(len(dropped))
+                log.error(
+                    f"learner refused segments: {what}",
+                    episodes=len(bad),
+                    actors=sorted({s.actor_id for s in dropped}),
+                )
+                segs = [s for s in segs if s.episode_id not in bad]
+        return segs
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
@@ -473,16 +487,12 @@ class Learner:
         prox, values, end_values, ref = [], [], [], [] if self.reference is not None else None
         for idx in data.micro_batches(segs, self.lc.micro_batch_tokens):
             self.health.beat("scoring the batch")
-            ids, attn, lens = self._inputs([segs[i] for i in idx])
-            lp, raw = self._forward(ids, attn)
+            ids, attn, lens, temps = self._inputs([segs[i] for i in idx])
+            lp, raw = self._forward(ids, attn, temps)
             v = shift_to_tokens(raw) if raw is not None else torch.zeros_like(lp)
             # The value after each segment's last token: the bootstrap at a cut with no next segment.
             vend = [float(raw[j, n - 1]) if raw is not None else 0.0 for j, n in enumerate(lens)]
-            r = (
-                token_logprobs(self.reference(ids, attn), ids, self.cfg.actor.temperature)
-                if ref is not None
-                else None
-            )
+            r = token_logprobs(self.reference(ids, attn), ids, temps) if ref is not None else None
             # Per-token bookkeeping (advantages, weights, statistics) runs on the CPU; the losses
             # move what they need back to the engine's device.
             lp, v = lp.cpu(), v.cpu()
@@ -501,12 +511,16 @@ class Learner:
             order(ref) if ref is not None else None,
         )
 
-    def _inputs(self, segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Padded token ids and attention mask on the engine's device, and the true lengths."""
+    def _inputs(
+        self, segs: list[Segment]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor]:
+        """Padded token ids and attention mask on the engine's device, the true lengths, and the
+        temperature each row was sampled with (it travels with the segment)."""
         lens = [s.num_tokens for s in segs]
         ids = data.pad([torch.from_numpy(s.tokens.astype("int64")) for s in segs])
         attn = data.pad([torch.ones(n, dtype=torch.long) for n in lens])
-        return ids.to(self.device), attn.to(self.device), lens
+        temps = torch.tensor([s.temperature for s in segs], dtype=torch.float32)
+        return ids.to(self.device), attn.to(self.device), lens, temps
 
     def _rows(self, xs: list[torch.Tensor], idx: list[int]) -> torch.Tensor:
         """Per-token tensors of micro-batch ``idx``, padded, on the engine's device."""
@@ -556,7 +570,7 @@ class Learner:
                 lam=lc.lam,
                 critic_lam=lc.critic_lam,
                 adaptive_alpha=lc.adaptive_lambda_alpha,
-                max_segment_steps=self.cfg.actor.max_segment_steps,
+                max_segment_steps=lc.max_segment_steps,
             )
             advs.append(t.advantages)
             rets.append(t.returns)
@@ -611,10 +625,10 @@ class Learner:
             return float(engine.get_global_grad_norm() if norm is None else norm)
 
         def policy_loss(idx: list[int]) -> torch.Tensor:
-            ids, attn, lens = self._inputs([segs[i] for i in idx])
+            ids, attn, lens, temps = self._inputs([segs[i] for i in idx])
             out = self.policy(ids, attn)
             logits = out[0] if self.shared else out
-            lp = token_logprobs(logits, ids, self.cfg.actor.temperature)
+            lp = token_logprobs(logits, ids, temps)
             cat = lambda xs: self._rows(xs, idx)  # noqa: E731
             loss, stats = ppo_policy_loss(
                 lp,
@@ -648,7 +662,7 @@ class Learner:
             return loss
 
         def critic_loss(idx: list[int]) -> torch.Tensor:
-            ids, attn, _ = self._inputs([segs[i] for i in idx])
+            ids, attn, _, _ = self._inputs([segs[i] for i in idx])
             v = shift_to_tokens(self.critic(ids, attn))
             cat = lambda xs: self._rows(xs, idx)  # noqa: E731
             vl = value_loss(

@@ -160,6 +160,8 @@ def make_segment(
         last=last,
         terminated=last,
         truncated=not last,
+        temperature=1.0,
+        top_p=1.0,
         tokens=rng.integers(0, 32_000, num_tokens, dtype=np.int32),
         action_mask=act.astype(np.uint8),
         behavior_logprobs=np.where(act, -rng.random(num_tokens, np.float32), 0).astype(np.float32),

@@ -117,7 +117,7 @@ def test_misuse_and_bad_arguments_raise_clear_errors():
 
 def test_episode_puts_the_reward_on_the_last_action_token(tiny_model):
     """Through the chat template, as an actor plays it: one terminated segment."""
-    from actors.engine import Generation
+    from actors.engines import Generation
 
     tokenizer = load_tokenizer(tiny_model)
     env = make_env("arith")
@@ -133,7 +133,9 @@ def test_episode_puts_the_reward_on_the_last_action_token(tiny_model):
     )
     a, _, b = PROMPT.match(env.compact()).groups()
     answer = tokenizer.encode(str(int(a) + int(b)), add_special_tokens=False)
-    (segment,) = episode.step(Generation(answer, [-0.5] * len(answer), [0] * len(answer), "stop"))
+    (segment,) = episode.step(
+        Generation(answer, [-0.5] * len(answer), [0] * len(answer), "stop", 1.0, 1.0)
+    )
     assert segment.terminated and not segment.truncated
     assert segment.rewards.tolist() == [0.0] * (segment.num_tokens - 1) + [1.0]
     assert segment.action_mask.tolist()[-len(answer) :] == [1] * len(answer)

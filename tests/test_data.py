@@ -58,6 +58,8 @@ def make_segment(
         last=last,
         terminated=terminated,
         truncated=not terminated,
+        temperature=1.0,
+        top_p=1.0,
         tokens=rng.integers(5, 400, len(layout)).astype("<i4"),
         action_mask=mask,
         behavior_logprobs=np.where(mask == 1, behavior, 0.0).astype("<f4"),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.engine import Engine, Generation, SamplingParams, make_engine
+from actors.engines import Engine, Generation, SamplingParams, make_engine
 from common.model import (
     build_tiny_model,
     load_causal_lm,

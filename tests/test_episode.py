@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.engine import Generation
+from actors.engines import Generation
 from actors.envs import make_env
 from actors.envs.maze import make_layout, next_move
 from actors.episode import ChatFormat, Episode
@@ -22,7 +22,9 @@ def action(fmt: ChatFormat, text: str, version: int = 0, *, ended: bool = True) 
     ids = fmt.tok(text, add_special_tokens=False)["input_ids"] + (
         [fmt.stop_token_ids[0]] if ended else []
     )
-    return Generation(ids, [-0.5] * len(ids), [version] * len(ids), "stop" if ended else "length")
+    return Generation(
+        ids, [-0.5] * len(ids), [version] * len(ids), "stop" if ended else "length", 1.0, 1.0
+    )
 
 
 def solve(
@@ -88,12 +90,12 @@ def test_engine_ids_are_kept_not_retokenized(fmt):
     odd = [fmt.tok.convert_tokens_to_ids(c) for c in "12"] + [
         fmt.stop_token_ids[0]
     ]  # char-split, may differ from BPE
-    [seg] = ep.step(Generation(odd, [-1.0] * 3, [0] * 3, "stop"))
+    [seg] = ep.step(Generation(odd, [-1.0] * 3, [0] * 3, "stop", 1.0, 1.0))
     assert list(seg.tokens[-3:]) == odd and seg.group_id == "g"
 
 
 def test_eos_still_gets_the_end_of_turn_marker(fmt):
-    eos = Generation([fmt.tok.eos_token_id], [-1.0], [0], "stop")
+    eos = Generation([fmt.tok.eos_token_id], [-1.0], [0], "stop", 1.0, 1.0)
     assert fmt.tok.decode(fmt.turn("obs", eos.token_ids)).startswith("<|im_end|>")
 
 

@@ -8,6 +8,7 @@ lr * sign(g) per coordinate, so parameters alone would hide a wrongly scaled gra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,14 +22,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port
 from deepspeed.runtime.zero import GatheredParameters
+from prometheus_client import REGISTRY
 from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs
 from test_data import make_segment
 from transformers import AutoModelForCausalLM
 
+from actors.engines import SamplingParams, make_engine
 from common.config import load_config
 from common.metrics import Health
-from common.model import state_dict_for_export
+from common.model import load_causal_lm, state_dict_for_export
 from common.trajectory import Segment
 from common.transport import TransportError
 from common.weights import pack_state_dict, unpack_state_dict
@@ -553,3 +556,70 @@ def test_a_broker_that_lost_the_weights_gets_the_current_version_again(new_learn
     learner.connect_hello()
     begins = [version for kind, version, _ in broker.sent if kind == "PUBLISH_BEGIN"]
     assert begins == [5] and broker.latest == 5 and learner.version == 5
+
+
+def sampled_segments(model: Path, params: SamplingParams) -> list[Segment]:
+    """Segments as an actor makes them: the torch engine samples from ``model`` and reports μ;
+    each segment carries the temperature and top-p its tokens were drawn with."""
+    engine = make_engine("torch", str(model))
+    engine.load_weights(0, state_dict_for_export(load_causal_lm(model)))
+    prompts = [[5, 6, 7, 8], [40, 41, 42], [100, 101, 102, 103, 104, 105]]
+    segs = []
+    for i, (prompt, gen) in enumerate(zip(prompts, engine.generate(prompts, params), strict=True)):
+        n, k = len(prompt), len(gen.token_ids)
+        rewards = np.zeros(n + k, "<f4")
+        rewards[-1] = 1.0
+        header = make_segment("oa", episode=f"t{i}").header()
+        header.update(temperature=gen.temperature, top_p=gen.top_p)
+        segs.append(
+            Segment(
+                **header,
+                tokens=np.array(prompt + gen.token_ids, "<i4"),
+                action_mask=np.array([0] * n + [1] * k, "|u1"),
+                behavior_logprobs=np.array([0.0] * n + gen.logprobs, "<f4"),
+                versions=np.array([-1] * n + gen.versions, "<i4"),
+                rewards=rewards,
+            )
+        )
+    return segs
+
+
+def test_the_learner_scores_each_segment_at_the_temperature_it_was_sampled_with(
+    new_learner, tiny_model
+):
+    """An actor samples at 0.7 while the learner's YAML says 1.0: the learner scores with the
+    segment's 0.7, so π_prox equals the actor's μ at zero staleness, and the step sees weights of 1."""
+    learner = new_learner("actor.temperature=1.0")
+    batch = sampled_segments(tiny_model, SamplingParams(max_new_tokens=10, temperature=0.7, seed=3))
+    assert {s.temperature for s in batch} == {0.7}
+    prox = learner._score(batch)[0]
+    for seg, lp in zip(batch, prox, strict=True):
+        act = seg.action_mask == 1
+        np.testing.assert_allclose(lp.numpy()[act], seg.behavior_logprobs[act], rtol=0, atol=1e-4)
+    # The same tokens claimed at 1.0 score differently: the temperature in the data is what counts.
+    at_one = [dataclasses.replace(s, temperature=1.0) for s in batch]
+    gap = max(
+        float((lp - torch.from_numpy(s.behavior_logprobs)).abs()[s.action_mask == 1].max())
+        for s, lp in zip(at_one, learner._score(at_one)[0], strict=True)
+    )
+    assert gap > 0.05
+    stats = learner.train_step(batch)
+    assert stats["icepop_kept_fraction"] == 1.0
+    assert stats["importance_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_nucleus_sampled_episodes_are_refused_and_counted(new_learner, tiny_model):
+    learner = new_learner()
+    batch = fixed_batch()
+    batch[1] = dataclasses.replace(batch[1], top_p=0.9)  # one segment of the two-segment episode
+    before = REGISTRY.get_sample_value(
+        "asyncppo_learner_segments_rejected_total", {"reason": "top_p"}
+    )
+    with capture_logs() as logs:
+        kept = learner._trainable(batch)
+    assert [s.episode_id for s in kept] == ["short", "mid", "budget"]  # the whole episode went
+    after = REGISTRY.get_sample_value(
+        "asyncppo_learner_segments_rejected_total", {"reason": "top_p"}
+    )
+    assert after - (before or 0.0) == 2
+    assert any(log.get("actors") == ["actor-0"] for log in logs), logs

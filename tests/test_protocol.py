@@ -23,6 +23,8 @@ def make_segment(**overrides) -> Segment:
         last=True,
         terminated=True,
         truncated=False,
+        temperature=1.0,
+        top_p=1.0,
         tokens=np.array([5, 6, 7, 8, 9, 10], dtype="<i4"),
         action_mask=mask,
         behavior_logprobs=np.array([0, 0, -0.5, -1.0, 0, -0.25], dtype="<f4"),

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoConfig
 
-from actors.engine import Generation, SamplingParams, check_prompts, completes_stop
+from actors.engines.base import Generation, SamplingParams, check_prompts, completes_stop
 from common.model import load_tokenizer
 
 
@@ -93,7 +93,9 @@ class SGLangEngine:
         check_prompts(prompts, self.vocab_size)
         base_seed = params.seed if params.seed is not None else secrets.randbits(62)
         chunk = self.poll_every if poll_weights is not None else params.max_new_tokens
-        outputs = [Generation([], [], [], "length") for _ in prompts]
+        outputs = [
+            Generation([], [], [], "length", params.temperature, params.top_p) for _ in prompts
+        ]
         active = list(range(len(prompts)))
         while active:
             budget = min(chunk, params.max_new_tokens - len(outputs[active[0]].token_ids))

@@ -1,0 +1,98 @@
+"""What every inference engine shares: sampling parameters in, generations out, the Engine protocol.
+
+Every engine returns, per sampled token, the log-probability under the distribution it was
+actually sampled from (softmax(logits / T), restricted to the top-p nucleus and renormalised),
+the version of the weights that sampled it, and the temperature and top-p it used: these facts
+travel with the tokens to the learner, which scores with them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)  # checked on the decoded text of the new tokens
+    stop_token_ids: list[int] = field(default_factory=list)  # e.g. eos / <|im_end|>
+    seed: int | None = None  # row i of a batch samples with seed + i
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(
+                f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}"
+            )
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(
+                f"SamplingParams.temperature must be finite and > 0 (greedy has no log-probs), "
+                f"got {self.temperature!r}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}"
+            )
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # sampled tokens, in order (the stop token included if one ended it)
+    logprobs: list[float]  # log-prob of each token under the distribution it was sampled from
+    versions: list[int]  # policy version of the weights that sampled each token
+    finish_reason: str  # "stop" | "length"
+    temperature: float  # what the tokens were sampled with: it travels on with them
+    top_p: float
+
+
+class Engine(Protocol):
+    version: int
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        poll_weights: Callable[[], None] | None = None,
+    ) -> list[Generation]: ...
+
+    def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None: ...
+
+
+def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
+    """Reject empty batches, empty prompts and token ids outside the vocabulary."""
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError(f"prompts[{i}] must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
+            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size})")
+
+
+def completes_stop(
+    tokenizer: PreTrainedTokenizerBase, token_ids: list[int], params: SamplingParams
+) -> bool:
+    """True when the newest token is a stop token or completes a stop string.
+
+    Only the tail that can hold a stop string is decoded: a character is at most 4 UTF-8 bytes
+    and a byte-level token at least one byte.
+    """
+    if token_ids[-1] in params.stop_token_ids:
+        return True
+    if not params.stop:
+        return False
+    window = 4 * max(len(s) for s in params.stop)
+    text = tokenizer.decode(token_ids[-window:], skip_special_tokens=False)
+    return any(s in text for s in params.stop)
