@@ -75,6 +75,24 @@ class Admission:
         self.granted_total += n
         return permits
 
+    def too_stale(self, min_version: int, at_version: int) -> bool:
+        """The backstop: a token sampled by ``min_version`` may not be trained at ``at_version``."""
+        return at_version - min_version > self.max_staleness
+
+    def due(self, permit: Permit, learner_version: int) -> bool:
+        """Rule 2: the permit's episode must be trained before the learner publishes past
+        ``learner_version``."""
+        return permit.version <= learner_version - self.max_staleness
+
+    def readmit(self, permit: Permit) -> None:
+        """A permit restored from the spool whose episode was complete: in flight again until its
+        segments are queued once more (then ``complete`` moves it to queued)."""
+        self.in_flight[permit.id] = permit
+
+    def release(self, permit_id: str) -> None:
+        """An in-flight episode dropped by rule: its permit no longer counts."""
+        self.in_flight.pop(permit_id, None)
+
     def complete(self, permit_id: str) -> Permit:
         """The permit's episode has all its segments: it moves from in flight to queued."""
         permit = self.in_flight.pop(permit_id)
@@ -101,8 +119,7 @@ class Admission:
 
     def stragglers(self, learner_version: int) -> list[Permit]:
         """Permits that must be in the learner's batch before it publishes past ``learner_version`` (rule 2)."""
-        oldest_allowed = learner_version - self.max_staleness
-        return [p for p in self.in_flight.values() if p.version <= oldest_allowed]
+        return [p for p in self.in_flight.values() if self.due(p, learner_version)]
 
     def state(self) -> dict:
         return {

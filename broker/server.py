@@ -21,6 +21,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
 
 from broker.admission import Admission, Permit, restore_permit
+from broker.queue import Dropped, EpisodeQueue
 from broker.registry import Conn, Registry
 from broker.spool import Spool
 from broker.weights import WeightStore, WeightVersion
@@ -85,7 +86,6 @@ M_FANOUT = Histogram(
 ACTOR_KINDS = {"PERMITS_REQ", "TRAJ", "HEARTBEAT"}  # a registered actor on its own connection
 FREES_CAPACITY = {"GET_BATCH", "PUBLISH_COMMIT", "TRAJ", "BYE", "HELLO"}  # may end a permit wait
 LEARNER_KINDS = {"GET_BATCH", "PUBLISH_BEGIN", "PUBLISH_CHUNK", "PUBLISH_COMMIT"}
-SEEN_IDS = 1_000_000  # traj_ids remembered for duplicate detection
 NOT_INVALID = {  # not the sender's fault
     "busy",
     "unknown_actor",
@@ -143,13 +143,7 @@ class Broker:
             max_staleness=cfg.broker.max_staleness,
         )
         self.weights = WeightStore()
-        self.partial: dict[
-            str, list[Segment]
-        ] = {}  # permit id -> segments of an unfinished episode
-        # permit id -> (permit, segments) of whole episodes, in completion order
-        self.complete: dict[str, tuple[Permit, list[Segment]]] = {}
-        self.queue_bytes = 0
-        self.seen: OrderedDict[str, None] = OrderedDict()
+        self.queue = EpisodeQueue(self.admission, self.cfg.max_queue_bytes)
         self.pending_batch: tuple[list, Message, float] | None = None
         # actor id -> its PERMITS_REQ waiting for capacity (envelope, request, deadline), in
         # arrival order; an actor's newer request replaces its older one
@@ -201,11 +195,8 @@ class Broker:
         if self.pending_batch is not None:
             self._guarded("GET_BATCH", self.pending_batch[0], self._try_batch)
         self._guarded("PERMITS_REQ", None, self._serve_parked_permits)
-        M_QUEUE_ITEMS.set(
-            sum(len(s) for s in self.partial.values())
-            + sum(len(s) for _, s in self.complete.values())
-        )
-        M_QUEUE_BYTES.set(self.queue_bytes)
+        M_QUEUE_ITEMS.set(self.queue.num_segments)
+        M_QUEUE_BYTES.set(self.queue.nbytes)
         M_PERMITS_USE.set(len(self.admission.in_flight))
         M_ACTORS.set(len(self.registry.actors))
         self.health.beat("messages")
@@ -401,7 +392,7 @@ class Broker:
             return self._wait(msg, "no_weights", 0.5)
         if head["version"] != latest:
             return self._wait(msg, "stale_weights", 0.0)
-        if self.queue_bytes > self.cfg.max_queue_bytes:
+        if self.queue.nbytes > self.cfg.max_queue_bytes:
             return self._wait(msg, "queue_full", 0.5)
         permits = self.admission.grant(head["id"], head["n"], latest, group=head.get("group", 1))
         if not permits:
@@ -455,50 +446,16 @@ class Broker:
                 "actor_id",
                 f"{seg.actor_id!r} is not the sender {msg.header['id']!r}",
             )
-        if seg.traj_id in self.seen:
+        if self.queue.is_duplicate(seg):
             return self._reply(msg, "ACK", {"duplicate": True})
-        permit = self.admission.in_flight.get(seg.permit)
-        if permit is None or permit.actor_id != seg.actor_id:
-            raise ProtocolError(
-                "unknown_permit",
-                "permit",
-                f"{seg.permit!r} is not a permit held by {seg.actor_id!r}",
-            )
-        done = self.partial.get(permit.id, [])
-        if done and done[0].episode_id != seg.episode_id:
-            raise ProtocolError(
-                "bad_value",
-                "episode_id",
-                f"permit {permit.id!r} plays episode {done[0].episode_id!r}, "
-                f"got {show(seg.episode_id)}",
-            )
-        if seg.segment != len(done):
-            raise ProtocolError(
-                "bad_value",
-                "segment",
-                f"expected segment {len(done)} of episode {seg.episode_id!r}, got {seg.segment}",
-            )
-        if permit.group_size > 1:  # the learner groups by group_id, the broker by permit group
-            first = next((segs[0] for _, segs in self._group(permit) if segs), None)
-            if first is not None and first.group_id != seg.group_id:
-                raise ProtocolError(
-                    "bad_value",
-                    "group_id",
-                    f"the episodes of one permit group share one group_id: "
-                    f"expected {first.group_id!r}, got {seg.group_id!r}",
-                )
-        if self.weights.latest_version - seg.min_version > self.cfg.max_staleness:
-            self._drop_episode(permit, done + [seg], "stale")
-            self._drop_group(permit)
+        admitted = self.queue.admit(seg, self.weights.latest_version)
+        if isinstance(admitted, list):  # too stale: the episode (and its group) went
+            self._dropped(admitted)
             return self._reply(msg, "ACK", {"dropped": "stale"})
-        if self.queue_bytes + seg.nbytes > self.cfg.max_queue_bytes:
-            raise ProtocolError(
-                "busy", "tokens", "broker queue is full; retry later", retryable=True
-            )
         if self.spool and not self._spool_write(
             "segment",
             self.spool.save_segment,
-            f"{permit.id}.{seg.segment}",
+            f"{admitted.id}.{seg.segment}",
             [f.bytes for f in body],
         ):
             raise ProtocolError(
@@ -507,64 +464,27 @@ class Broker:
                 "the broker could not store the segment; resend it later",
                 retryable=True,
             )
-        self._accept(permit, seg)
+        self.queue.accept(admitted, seg)
+        self._dirty = True  # the accepted counter moved, even when the episode goes on
         M_ACCEPTED.inc()
         self.counts["accepted"] += 1
         return self._reply(msg, "ACK")
 
-    def _accept(self, permit: Permit, seg: Segment) -> None:
-        self.partial.setdefault(permit.id, []).append(seg)
-        self.queue_bytes += seg.nbytes
-        self.seen[seg.traj_id] = None
-        if len(self.seen) > SEEN_IDS:
-            self.seen.popitem(last=False)
-        self._dirty = True  # the accepted counter moved, even when the episode goes on
-        if seg.last:
-            self.admission.complete(permit.id)
-            self.complete[permit.id] = (permit, self.partial.pop(permit.id))
-
-    def _drop_episode(
-        self, permit: Permit, segs: list[Segment], reason: str, *, queued: bool = False
-    ) -> None:
-        """Discard an episode by rule (stale, actor died): counted per segment and logged.
-        Callers then drop the rest of its group (``_drop_group``)."""
-        accepted = [s for s in segs if s.traj_id in self.seen]
-        if queued:
-            self.admission.drop_queued(1)
-            del self.complete[permit.id]
-        else:
-            self.admission.in_flight.pop(permit.id, None)
-            self.partial.pop(permit.id, None)
-        for s in accepted:
-            self.queue_bytes -= s.nbytes
-            self._unspool(permit, s)
-        M_DROPPED.labels(reason=reason).inc(len(segs))
-        self.counts[f"dropped_{reason}"] += len(segs)
-        self._dirty = True
-        log.info(
-            "episode dropped",
-            reason=reason,
-            permit=permit.id,
-            actor=permit.actor_id,
-            segments=len(segs),
-        )
-
-    def _group(self, permit: Permit) -> list[tuple[Permit, list[Segment]]]:
-        """The episodes of ``permit``'s group the broker still holds: complete, then in flight."""
-        key = permit.group_key
-        return [(p, segs) for p, segs in self.complete.values() if p.group_key == key] + [
-            (p, self.partial.get(p.id, []))
-            for p in self.admission.in_flight.values()
-            if p.group_key == key
-        ]
-
-    def _drop_group(self, permit: Permit) -> None:
-        """What is left of a group that lost an episode goes too, queued or still being played
-        (its actor then gets ``unknown_permit``): it can never be whole, and GRPO must not train
-        half a group."""
-        if permit.group_size > 1:
-            for p, segs in self._group(permit):
-                self._drop_episode(p, segs, "incomplete_group", queued=p.id in self.complete)
+    def _dropped(self, drops: list[Dropped]) -> None:
+        """Episodes the queue discarded by rule: counted per segment, unspooled and logged."""
+        for d in drops:
+            for seg in d.accepted:
+                self._unspool(d.permit, seg)
+            M_DROPPED.labels(reason=d.reason).inc(len(d.segments))
+            self.counts[f"dropped_{d.reason}"] += len(d.segments)
+            self._dirty = True
+            log.info(
+                "episode dropped",
+                reason=d.reason,
+                permit=d.permit.id,
+                actor=d.permit.actor_id,
+                segments=len(d.segments),
+            )
 
     def _reclaim(
         self,
@@ -572,12 +492,8 @@ class Broker:
         keep: set[str] | frozenset[str] = frozenset(),
         reason: str = "actor_timeout",
     ) -> None:
-        permits = self.admission.reclaim(actor_id, keep)
-        for p in permits:
-            segs = self.partial.pop(p.id, [])
-            if segs:
-                self._drop_episode(p, segs, "incomplete_episode")
-            self._drop_group(p)
+        permits, drops = self.queue.reclaim(actor_id, keep)
+        self._dropped(drops)
         if permits:
             self.counts["permits_reclaimed"] += len(permits)
             self._dirty = True
@@ -585,73 +501,27 @@ class Broker:
 
     # -------------------------------------------------------------- learner
     def _try_batch(self) -> None:
-        """Answer the parked GET_BATCH with whole groups of whole episodes, or keep it parked.
-
-        GRPO normalises over a group, so a group is handed out only once all its episodes are
-        complete, and never split: a batch may exceed ``n`` by less than a group.
-        """
+        """Answer the parked GET_BATCH with the queue's next batch, or keep it parked (WAIT,
+        saying what it waits for, once ``batch_wait_s`` has passed)."""
         envelope, msg, deadline = self.pending_batch  # type: ignore[misc]
-        head, eta = msg.header, self.cfg.max_staleness
-        v_learner, n = head["version"], head["n"]
-        stale = [
-            (permit, segs)
-            for permit, segs in self.complete.values()
-            if v_learner - min(s.min_version for s in segs) > eta
-        ]
-        for permit, segs in stale:
-            self._drop_episode(permit, segs, "stale", queued=True)
-        for permit, _ in stale:
-            self._drop_group(permit)
-        groups: dict[str, list[tuple[Permit, list[Segment]]]] = {}
-        for permit, segs in self.complete.values():
-            groups.setdefault(permit.group_key, []).append((permit, segs))
-        ready = [g for g in groups.values() if len(g) == g[0][0].group_size]
-        num_ready = sum(len(g) for g in ready)
-        stragglers = self.admission.stragglers(v_learner) if head["publishes_after"] else []
-        if stragglers or num_ready < n:
+        head = msg.header
+        drops, batch = self.queue.take(head["version"], head["n"], head["publishes_after"])
+        self._dropped(drops)
+        if isinstance(batch, str):
             if time.monotonic() >= deadline:
-                waiting = (
-                    f"{len(stragglers)} episodes of version <= {v_learner - eta} from "
-                    f"{sorted({p.actor_id for p in stragglers})}"
-                    if stragglers
-                    else f"{n - num_ready} more whole episodes"
-                )
                 self.pending_batch = None
-                self._send(
-                    envelope,
-                    self._reply(
-                        msg,
-                        "WAIT",
-                        {
-                            "reason": waiting,
-                            "retry_after_s": 0.0,
-                            "latest_version": self.weights.latest_version,
-                        },
-                    ),
-                )
+                self._send(envelope, self._wait(msg, batch, 0.0))
             return
-        # Rule 2: groups that would be too stale after this publish go first, then arrival order.
-        # A group's permits come from one grant, so they share its version.
-        oldest_kept = v_learner - eta if head["publishes_after"] else -1
-        take = [ep for g in ready if g[0][0].version <= oldest_kept for ep in g]
-        for g in ready:
-            if len(take) >= n:
-                break
-            if g[0][0].version > oldest_kept:
-                take += g
-        self.admission.consume(len(take))
         headers, tensors = [], {}
-        for permit, segs in take:
-            del self.complete[permit.id]
+        for permit, segs in batch:
             for seg in segs:
                 tensors.update(seg.wire_tensors(prefix=f"{len(headers)}."))
                 headers.append(seg.header())
-                self.queue_bytes -= seg.nbytes
                 self._unspool(permit, seg)
         self.batch_id += 1
         M_HANDED.inc(len(headers))
         self.counts["handed_out"] += len(headers)
-        self.counts["episodes_handed_out"] += len(take)
+        self.counts["episodes_handed_out"] += len(batch)
         self._dirty = True
         self.pending_batch = None
         self._flush_state()
@@ -722,9 +592,9 @@ class Broker:
             "actors": len(self.registry.actors),
             "permits_in_use": len(self.admission.in_flight),
             "permits_granted": self.admission.granted_total,
-            "queued_episodes": len(self.complete),
-            "queue_bytes": self.queue_bytes,
-            "partial_episodes": len(self.partial),
+            "queued_episodes": len(self.queue.complete),
+            "queue_bytes": self.queue.nbytes,
+            "partial_episodes": len(self.queue.partial),
             "actor_versions": self.registry.listed_versions(),
         }
 
@@ -767,7 +637,7 @@ class Broker:
         if self._dirty:
             state = {
                 "admission": self.admission.state(),
-                "queued": [vars(p) for p, _ in self.complete.values()],  # their groups
+                "queued": [vars(p) for p, _ in self.queue.complete.values()],  # their groups
                 "counts": dict(self.counts),
                 "batch_id": self.batch_id,
                 "bindings": self.registry.bindings(),
@@ -797,17 +667,16 @@ class Broker:
                 permit = queued.get(seg.permit) or Permit(
                     seg.permit, seg.actor_id, seg.min_version, time.monotonic()
                 )
-                self.admission.in_flight[permit.id] = permit
-            self._accept(permit, seg)
+                self.admission.readmit(permit)
+            self.queue.accept(permit, seg)
             restored += 1
-        self.admission.queued = len(self.complete)
         bindings = state.get("bindings", {})
         for actor_id in {p.actor_id for p in self.admission.in_flight.values()}:
             self.registry.restore_actor(actor_id, time.monotonic(), bindings.get(actor_id))
         log.info(
             "broker state restored",
             segments=restored,
-            episodes=len(self.complete),
+            episodes=len(self.queue.complete),
             permits=len(self.admission.in_flight),
             version=self.weights.latest_version,
         )
