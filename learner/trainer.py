@@ -5,8 +5,10 @@ One step, top to bottom (docs/architecture.md, "Learner step"):
 1. rank 0 asks the broker for a batch of whole episodes and broadcasts its raw frames; every rank
    decodes and validates them with the same wire decoder, then takes its share of episodes;
 2. no-grad pass with the current weights: proximal log-probs log π_prox and values V;
-3. advantages per segment (GAE, bootstrapped at compaction/truncation cuts) or GRPO's group ones;
-4. behavior weights w = π_prox/μ masked by IcePop (or truncated, or none), detached;
+3. advantages per segment (GAE, bootstrapped at compaction/truncation cuts) or GRPO's group ones,
+   from the registry ``learner.algorithms.ESTIMATORS``;
+4. behavior weights w = π_prox/μ masked by IcePop (or truncated, or none), detached
+   (``learner.algorithms.CORRECTIONS``);
 5. token-level PPO loss −w·min(ρA, clip(ρ)A), ρ = π_θ/π_prox, divided by the number of action
    tokens of the *global* batch (all ranks, all micro-batches), and the clipped value loss;
 6. publish the new weights as version v+1 every ``publish_every`` steps; checkpoint.
@@ -24,6 +26,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +46,11 @@ from common.trajectory import Segment
 from common.transport import Client, Endpoint, free_port
 from common.weights import pack_state_dict
 from learner import data
+from learner.algorithms import ESTIMATORS, Scores, Targets, behavior_weights
 from learner.losses import (
     clip_schedule,
-    icepop,
     kl_penalty,
     ppo_policy_loss,
-    truncated_is,
     value_loss,
 )
 from learner.models import Critic, Policy, PolicyWithValue, shift_to_tokens, token_logprobs
@@ -172,6 +174,27 @@ def value_sums(returns: torch.Tensor, values: torch.Tensor) -> list[float]:
         float(d.sum()),
         float((d**2).sum()),
     ]
+
+
+VALUE_SUMS = ("n", "sum_r", "sum_r2", "sum_d", "sum_d2")  # the names of value_sums' entries
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one step's optimisation reads: this rank's segments and what was computed on them."""
+
+    segs: list[Segment]
+    scores: Scores
+    targets: Targets
+    weights: list[torch.Tensor]  # behavior weights on action tokens, 0 elsewhere
+    masks: list[torch.Tensor]  # action tokens
+    denominator: float  # action tokens of the global batch: the loss's token-mean denominator
+    clip: float
+    micro_batches: list[list[int]]  # segment indices of each of this rank's micro-batches
+    n_micro: int  # micro-batches per optimiser step on every rank (the most any rank has)
+
+
+LOSS_TERMS = ("policy_loss", "value_loss", "clip_fraction", "approx_kl")
 
 
 def explained_variance(sums: Sequence[float]) -> float:
@@ -480,9 +503,7 @@ class Learner:
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
-    def _score(
-        self, segs: list[Segment]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float], list[torch.Tensor] | None]:
+    def _score(self, segs: list[Segment]) -> Scores:
         """No-grad pass: log π_prox, V aligned to tokens, V after the last token, reference log-probs."""
         prox, values, end_values, ref = [], [], [], [] if self.reference is not None else None
         for idx in data.micro_batches(segs, self.lc.micro_batch_tokens):
@@ -504,7 +525,7 @@ class Learner:
                 if ref is not None:
                     ref.append((i, r[j, : lens[j]]))
         order = lambda pairs: [t for _, t in sorted(pairs, key=lambda p: p[0])]  # noqa: E731
-        return (
+        return Scores(
             order(prox),
             order(values),
             order(end_values),
@@ -526,224 +547,205 @@ class Learner:
         """Per-token tensors of micro-batch ``idx``, padded, on the engine's device."""
         return data.pad([xs[i] for i in idx]).to(self.device)
 
-    def train_step(self, batch: list[Segment]) -> dict[str, float]:
-        lc = self.lc
+    def train_step(self, batch: list[Segment]) -> dict[str, Any]:
+        """One step, a pipeline: score -> targets -> behavior weights -> optimise -> statistics."""
         t0 = time.monotonic()
         episodes = data.group_episodes(batch)
-        grpo_adv = (
-            {
-                s.traj_id: a
-                for s, a in zip(
-                    [s for ep in episodes for s in ep], data.grpo_targets(episodes), strict=True
-                )
-            }
-            if lc.algorithm == "grpo"
-            else {}
+        segs = [s for ep in data.split_for_rank(episodes, self.rank, self.world) for s in ep]
+        scores = self._score(segs)
+        targets = ESTIMATORS[self.lc.algorithm](episodes, segs, scores, self.lc)
+        weights, keeps = behavior_weights(segs, scores.prox, self.lc)
+        (n_tokens,) = self._all_reduce([float(sum(s.num_action_tokens for s in segs))])
+        mbs = data.micro_batches(segs, self.lc.micro_batch_tokens)
+        step = Step(
+            segs,
+            scores,
+            targets,
+            weights,
+            masks=[torch.from_numpy(s.action_mask.astype(bool)) for s in segs],
+            denominator=max(n_tokens, 1.0),
+            clip=clip_epsilon(self.step, self.lc),
+            micro_batches=mbs,
+            n_micro=int(self._all_reduce([float(len(mbs))], "max")[0]),
         )
-        mine = data.split_for_rank(episodes, self.rank, self.world)
-        segs = [s for ep in mine for s in ep]
-        prox, values, end_values, ref = self._score(segs)
-
-        # Advantages and returns per segment (GAE; bootstrap from the next segment's first action).
-        advs, rets = [], []
-        for i, seg in enumerate(segs):
-            if lc.algorithm == "grpo":
-                advs.append(grpo_adv[seg.traj_id])
-                rets.append(torch.zeros(seg.num_tokens))
-                continue
-            nxt = (
-                segs[i + 1]
-                if i + 1 < len(segs) and segs[i + 1].episode_id == seg.episode_id
-                else None
-            )
-            next_value = (
-                float(values[i + 1][data.turn_starts(torch.from_numpy(nxt.action_mask))[0]])
-                if nxt
-                else None
-            )
-            t = data.segment_targets(
-                seg,
-                values[i],
-                end_values[i],
-                next_value,
-                gamma=lc.gamma,
-                lam=lc.lam,
-                critic_lam=lc.critic_lam,
-                adaptive_alpha=lc.adaptive_lambda_alpha,
-                max_segment_steps=lc.max_segment_steps,
-            )
-            advs.append(t.advantages)
-            rets.append(t.returns)
-
-        # Behavior weights w = pi_prox / mu (decoupled PPO), masked (IcePop) or truncated (TIS).
-        masks = [torch.from_numpy(s.action_mask.astype(bool)) for s in segs]
-        behavior = [torch.from_numpy(s.behavior_logprobs.astype("float32")) for s in segs]
-        weights, keeps = [], []
-        for p, b, m in zip(prox, behavior, masks, strict=True):
-            if lc.correction == "icepop":
-                w, k = icepop(p, b, low=lc.icepop_low, high=lc.icepop_high)
-            elif lc.correction == "tis":
-                w, k = truncated_is(p, b, cap=lc.tis_cap)
-            else:
-                w, k = torch.ones_like(p), torch.ones_like(m)
-            weights.append(torch.where(m, w, 0.0))
-            keeps.append(k & m)
-
-        local_tokens = float(sum(int(m.sum()) for m in masks))
-        (n_tokens,) = self._all_reduce([local_tokens])
-        denominator = max(n_tokens, 1.0)
-        mbs = data.micro_batches(segs, lc.micro_batch_tokens)
-        n_micro = int(self._all_reduce([float(len(mbs))], "max")[0])
-        clip = clip_epsilon(self.step, lc)
-        train_policy = self.step >= lc.critic_warmup_steps
-        sums = {
-            "policy_loss": 0.0,
-            "value_loss": 0.0,
-            "clip_fraction": 0.0,
-            "approx_kl": 0.0,
-            "grad_norm": 0.0,
+        losses = self._optimise(step)
+        return {
+            **self._statistics(step, keeps, losses),
+            **self._batch_facts(batch, episodes, n_tokens, time.monotonic() - t0),
+            "clip": step.clip,
         }
 
-        def run_micro(engine: Any, loss_fn: Callable[[list[int]], torch.Tensor]) -> float:
-            """Accumulate over the same number of micro-batches on every rank, then step once.
-
-            Returns the gradient norm before clipping. DeepSpeed keeps it only in its ZeRO
-            optimizers; without ZeRO the (already all-reduced) gradients are plain ``.grad``.
-            """
-            for j in range(n_micro):
-                self.health.beat("training")
-                engine.set_gradient_accumulation_boundary(j == n_micro - 1)
-                loss = loss_fn(mbs[j]) if j < len(mbs) else self._zero_loss(engine)
-                engine.backward(loss * self.world, scale_wrt_gas=False)
-            grads = (
-                [p.grad for p in engine.module.parameters() if p.grad is not None]
-                if lc.zero_stage == 0
-                else None
-            )
-            norm = torch.nn.utils.get_total_norm(grads) if grads is not None else None
-            engine.step()
-            return float(engine.get_global_grad_norm() if norm is None else norm)
-
-        def policy_loss(idx: list[int]) -> torch.Tensor:
-            ids, attn, lens, temps = self._inputs([segs[i] for i in idx])
-            out = self.policy(ids, attn)
-            logits = out[0] if self.shared else out
-            lp = token_logprobs(logits, ids, temps)
-            cat = lambda xs: self._rows(xs, idx)  # noqa: E731
-            loss, stats = ppo_policy_loss(
-                lp,
-                cat(prox),
-                cat(advs),
-                cat(weights),
-                cat(masks),
-                clip_low=clip,
-                clip_high=clip,
-                denominator=denominator,
-            )
-            sums["policy_loss"] += float(loss)
-            sums["clip_fraction"] += float(stats["clip_fraction"])
-            sums["approx_kl"] += float(stats["approx_kl"])
-            if self.reference is not None:
-                loss = loss + lc.kl_coef * kl_penalty(
-                    lp, cat(ref), cat(masks), denominator=denominator
-                )
-            if self.shared:
-                v = shift_to_tokens(out[1])
-                vl = value_loss(
-                    v,
-                    cat(values),
-                    cat(rets),
-                    cat(masks),
-                    clip=lc.value_clip,
-                    denominator=denominator,
-                )
-                sums["value_loss"] += float(vl)
-                loss = (loss if train_policy else loss * 0) + lc.value_coef * vl
-            return loss
-
-        def critic_loss(idx: list[int]) -> torch.Tensor:
-            ids, attn, _, _ = self._inputs([segs[i] for i in idx])
-            v = shift_to_tokens(self.critic(ids, attn))
-            cat = lambda xs: self._rows(xs, idx)  # noqa: E731
-            vl = value_loss(
-                v, cat(values), cat(rets), cat(masks), clip=lc.value_clip, denominator=denominator
-            )
-            sums["value_loss"] += float(vl) / lc.critic_updates
-            return vl
-
+    def _optimise(self, step: Step) -> dict[str, float]:
+        """``ppo_epochs`` passes: the critic's updates, then the policy's (after the critic's
+        warm-up); the loss terms' means over the epochs and the policy's last gradient norm."""
+        lc = self.lc
+        train_policy = self.step >= lc.critic_warmup_steps
+        sums = dict.fromkeys(LOSS_TERMS, 0.0)
+        grad_norm = 0.0
         for _ in range(lc.ppo_epochs):
             if self.critic is not None:
                 for _ in range(lc.critic_updates):
-                    run_micro(self.critic, critic_loss)
+                    terms, _ = self._micro_steps(self.critic, step, self._critic_loss)
+                    sums["value_loss"] += terms.get("value_loss", 0.0) / lc.critic_updates
             if train_policy or self.shared:
-                sums["grad_norm"] = run_micro(self.policy, policy_loss)
-        for key in ("policy_loss", "value_loss", "clip_fraction", "approx_kl"):
-            sums[key] /= lc.ppo_epochs
+                terms, grad_norm = self._micro_steps(
+                    self.policy, step, lambda s, idx: self._policy_loss(s, idx, train_policy)
+                )
+                for key, value in terms.items():
+                    sums[key] += value
+        return {**{k: v / lc.ppo_epochs for k, v in sums.items()}, "grad_norm": grad_norm}
 
-        # Statistics over the global batch (every rank contributes its sums).
-        kept = float(sum(int(k.sum()) for k in keeps))
-        ratio = [
-            torch.exp(torch.clamp(p[m] - b[m], -20, 20))
-            for p, b, m in zip(prox, behavior, masks, strict=True)
+    def _micro_steps(
+        self,
+        engine: Any,
+        step: Step,
+        loss_fn: Callable[[Step, list[int]], tuple[torch.Tensor, dict[str, float]]],
+    ) -> tuple[dict[str, float], float]:
+        """Accumulate over the same number of micro-batches on every rank, then step once; the
+        loss terms summed over this rank's micro-batches, and the gradient norm before clipping.
+
+        DeepSpeed keeps the norm only in its ZeRO optimizers; without ZeRO the (already
+        all-reduced) gradients are plain ``.grad``.
+        """
+        sums: dict[str, float] = {}
+        for j in range(step.n_micro):
+            self.health.beat("training")
+            engine.set_gradient_accumulation_boundary(j == step.n_micro - 1)
+            if j < len(step.micro_batches):
+                loss, terms = loss_fn(step, step.micro_batches[j])
+                for key, value in terms.items():
+                    sums[key] = sums.get(key, 0.0) + value
+            else:
+                loss = self._zero_loss(engine)
+            engine.backward(loss * self.world, scale_wrt_gas=False)
+        grads = (
+            [p.grad for p in engine.module.parameters() if p.grad is not None]
+            if self.lc.zero_stage == 0
+            else None
+        )
+        norm = torch.nn.utils.get_total_norm(grads) if grads is not None else None
+        engine.step()
+        return sums, float(engine.get_global_grad_norm() if norm is None else norm)
+
+    def _policy_loss(
+        self, step: Step, idx: list[int], train_policy: bool
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Token-level PPO on the proximal policy (+ KL to a reference, + the shared critic's
+        value loss); the loss and its terms."""
+        lc = self.lc
+        ids, attn, _, temps = self._inputs([step.segs[i] for i in idx])
+        out = self.policy(ids, attn)
+        lp = token_logprobs(out[0] if self.shared else out, ids, temps)
+        rows = lambda xs: self._rows(xs, idx)  # noqa: E731
+        mask = rows(step.masks)
+        loss, stats = ppo_policy_loss(
+            lp,
+            rows(step.scores.prox),
+            rows(step.targets.advantages),
+            rows(step.weights),
+            mask,
+            clip_low=step.clip,
+            clip_high=step.clip,
+            denominator=step.denominator,
+        )
+        terms = {
+            "policy_loss": float(loss),
+            "clip_fraction": float(stats["clip_fraction"]),
+            "approx_kl": float(stats["approx_kl"]),
+        }
+        if step.scores.ref is not None:
+            kl = kl_penalty(lp, rows(step.scores.ref), mask, denominator=step.denominator)
+            loss = loss + lc.kl_coef * kl
+        if self.shared:
+            vl = value_loss(
+                shift_to_tokens(out[1]),
+                rows(step.scores.values),
+                rows(step.targets.returns),
+                mask,
+                clip=lc.value_clip,
+                denominator=step.denominator,
+            )
+            terms["value_loss"] = float(vl)
+            loss = (loss if train_policy else loss * 0) + lc.value_coef * vl
+        return loss, terms
+
+    def _critic_loss(self, step: Step, idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+        ids, attn, _, _ = self._inputs([step.segs[i] for i in idx])
+        rows = lambda xs: self._rows(xs, idx)  # noqa: E731
+        vl = value_loss(
+            shift_to_tokens(self.critic(ids, attn)),
+            rows(step.scores.values),
+            rows(step.targets.returns),
+            rows(step.masks),
+            clip=self.lc.value_clip,
+            denominator=step.denominator,
+        )
+        return vl, {"value_loss": float(vl)}
+
+    def _statistics(
+        self, step: Step, keeps: list[torch.Tensor], losses: dict[str, float]
+    ) -> dict[str, float]:
+        """Over the global batch (every rank contributes its sums): the losses, IcePop's kept
+        fraction, the raw behavior weights π_prox/μ (before masking or truncation) and the
+        critic's explained variance over the action tokens."""
+        ratios = [
+            torch.exp(torch.clamp(p[m] - torch.from_numpy(s.behavior_logprobs)[m], -20, 20))
+            for s, p, m in zip(step.segs, step.scores.prox, step.masks, strict=True)
         ]
-        w_sum = float(
-            sum(float(r.sum()) for r in ratio)
-        )  # the raw pi_prox/mu, before masking or truncation
-        ratio_max = max((float(r.max()) for r in ratio if r.numel()), default=0.0)
-        ret_all = (
-            torch.cat([r[m] for r, m in zip(rets, masks, strict=True)]) if segs else torch.zeros(0)
-        )
-        val_all = (
-            torch.cat([v[m] for v, m in zip(values, masks, strict=True)])
-            if segs
-            else torch.zeros(0)
-        )
-        g = self._all_reduce(
-            [
-                sums["policy_loss"],
-                sums["value_loss"],
-                sums["clip_fraction"],
-                sums["approx_kl"],
-                kept,
-                w_sum,
-                *value_sums(ret_all, val_all),  # g[6:11], over the action tokens
-            ]
-        )
-        ratio_max = self._all_reduce([ratio_max], "max")[0]
+
+        def on_actions(xs: list[torch.Tensor]) -> torch.Tensor:
+            pairs = zip(xs, step.masks, strict=True)
+            return torch.cat([x[m] for x, m in pairs]) if xs else torch.zeros(0)
+
+        local = {
+            **{k: losses[k] for k in LOSS_TERMS},
+            "kept": float(sum(int(k.sum()) for k in keeps)),
+            "weight_sum": float(sum(float(r.sum()) for r in ratios)),
+            **dict(
+                zip(
+                    VALUE_SUMS,
+                    value_sums(on_actions(step.targets.returns), on_actions(step.scores.values)),
+                    strict=True,
+                )
+            ),
+        }
+        g = dict(zip(local, self._all_reduce(list(local.values())), strict=True))
+        weight_max = max((float(r.max()) for r in ratios if r.numel()), default=0.0)
+        return {
+            **{k: g[k] for k in LOSS_TERMS},
+            "icepop_kept_fraction": g["kept"] / step.denominator,
+            "importance_weight_mean": g["weight_sum"] / step.denominator,
+            "importance_weight_max": self._all_reduce([weight_max], "max")[0],
+            "explained_variance": (
+                explained_variance([g[k] for k in VALUE_SUMS]) if self.use_critic else 0.0
+            ),
+            "grad_norm": losses["grad_norm"],
+        }
+
+    def _batch_facts(
+        self, batch: list[Segment], episodes: list[list[Segment]], tokens: float, seconds: float
+    ) -> dict[str, Any]:
+        """What the step trained on: rewards, sizes, staleness, throughput, who sent it."""
         staleness = [
             self.version - int(v) for s in batch for v in s.versions[s.action_mask.astype(bool)]
         ]
         rewards = data.episode_rewards(episodes)
-        seconds = time.monotonic() - t0
-        stats = {
+        return {
             "step": self.step,
             "version": self.version,
-            "policy_loss": g[0],
-            "value_loss": g[1],
-            "clip_fraction": g[2],
-            "approx_kl": g[3],
-            "icepop_kept_fraction": g[4] / denominator,
-            "importance_weight_mean": g[5] / denominator,
-            "importance_weight_max": ratio_max,
-            "explained_variance": explained_variance(g[6:11]) if self.use_critic else 0.0,
-            "grad_norm": sums["grad_norm"],
             "reward_mean": float(np.mean(rewards)),
             "episode_rewards": rewards,
             "episodes": len(episodes),
             "segments": len(batch),
-            "tokens": int(n_tokens),
+            "tokens": int(tokens),
             "max_staleness": max(staleness),
             "staleness_histogram": np.bincount(staleness).tolist(),
             "step_seconds": seconds,
-            "tokens_per_second": n_tokens / max(seconds, 1e-9),
-            "clip": clip,
+            "tokens_per_second": tokens / max(seconds, 1e-9),
             "actors": sorted({s.actor_id for s in batch}),
             "time": time.time(),
-            "traj_ids": [
-                s.traj_id for s in batch
-            ],  # lets a reader check no segment is trained twice
+            "traj_ids": [s.traj_id for s in batch],  # lets a reader check nothing trains twice
         }
-        return stats
 
     def _zero_loss(self, engine: Any) -> torch.Tensor:
         """A loss of exactly 0 from a one-token forward pass: keeps ranks in lockstep in collectives.
