@@ -7,13 +7,11 @@ generation), and a broker restart is survived by reconnecting and saying HELLO a
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import time
 import zlib
 from collections.abc import Callable
-from typing import Any
 
 import structlog
 from prometheus_client import Counter, Gauge, Histogram
@@ -21,14 +19,12 @@ from prometheus_client import Counter, Gauge, Histogram
 from actors.engines import SamplingParams, make_engine
 from actors.envs import make_env
 from actors.episode import ChatFormat, Episode
+from actors.link import BrokerLink
 from common.config import Config
 from common.log import bind_version
 from common.metrics import Health
 from common.model import load_tokenizer
-from common.retry import call_with_retry
 from common.trajectory import Segment
-from common.transport import Client, Endpoint, TransportError
-from common.weights import unpack_state_dict
 
 log = structlog.get_logger()
 
@@ -65,8 +61,9 @@ class Actor:
         self.cfg = cfg
         self.health = health or Health()
         self.id = actor_id(cfg)
-        self.endpoint = Endpoint(cfg.security, cfg.broker.max_message_bytes)
-        self.client = Client(self.endpoint, cfg.actor.broker, self.id, timeout_s=30.0)
+        self.link = BrokerLink(
+            cfg, self.id, self.health, lambda: (self.engine.version, [p["id"] for p in self.held])
+        )
         dtype = {} if cfg.actor.engine_dtype == "auto" else {"dtype": cfg.actor.engine_dtype}
         self.engine = make_engine(
             cfg.actor.engine, cfg.model.path, poll_every=cfg.actor.poll_every_tokens, **dtype
@@ -74,10 +71,8 @@ class Actor:
         self.fmt = ChatFormat(load_tokenizer(cfg.model.path))
         self.engine.version = -1  # the local checkpoint is not a published version: fetch one first
         self.held: list[dict] = []
-        self.latest = -1
         self.episodes_started = 0
         self._last_poll = 0.0
-        self.should_stop: Callable[[], bool] = lambda: False
         log.info(
             "actor starting",
             actor_id=self.id,
@@ -87,56 +82,14 @@ class Actor:
         )
 
     # ------------------------------------------------------------ broker calls
-    def _call(self, kind: str, header: dict | None = None, tensors: dict | None = None) -> Any:
-        """A request that survives broker restarts: retry with backoff, re-HELLO when forgotten."""
-        return call_with_retry(
-            lambda: self.client.request(kind, header, tensors),
-            what=kind,
-            should_stop=self.should_stop,
-            on_retry=lambda exc: self.health.beat(f"broker ({exc})"),
-            prepare=lambda exc: self.hello() if exc.code == "unknown_actor" else None,
-        )
-
-    def hello(self) -> None:
-        """Register (again, after a broker restart), naming the permits we still work on."""
-        try:
-            reply = self.client.request(
-                "HELLO",
-                {
-                    "role": "actor",
-                    "version": self.engine.version,
-                    "held_permits": [p["id"] for p in self.held],
-                },
-            )
-        except TransportError as exc:
-            log.warning("HELLO failed; will retry", error=str(exc))
-            return
-        self.latest = reply.header["latest_version"]
-
     def sync_weights(self) -> None:
-        """Fetch the newest complete version if it is newer than ours (chunks pipelined, verified)."""
+        """Load the newest complete version if it is newer than the engine's."""
         t0 = time.monotonic()
-        reply = self._call("WEIGHTS_INFO")
-        if reply.kind != "WEIGHTS_MANIFEST":
-            self.latest = reply.header["latest_version"]
+        fetched = self.link.fetch_weights(self.engine.version)
+        if fetched is None:
             return
-        manifest = reply.header["manifest"]
-        if manifest["version"] <= self.engine.version:
-            return
-        try:
-            chunks = self.client.pipeline(
-                "WEIGHTS_GET",
-                [
-                    {"version": manifest["version"], "chunk": i}
-                    for i in range(len(manifest["chunks"]))
-                ],
-            )
-        except TransportError as exc:
-            log.warning("weight download interrupted", version=manifest["version"], error=str(exc))
-            return
-        tensors = unpack_state_dict(manifest, [m.tensors["data"] for m in chunks])
+        manifest, tensors = fetched
         self.engine.load_weights(manifest["version"], tensors)
-        self.latest = max(self.latest, manifest["version"])
         M_VERSION.set(manifest["version"])
         M_SYNC.observe(time.monotonic() - t0)
         bind_version(manifest["version"])
@@ -148,20 +101,19 @@ class Actor:
         )
 
     def _poll(self) -> None:
-        """Between turns and during generation: heartbeat, and swap to a newer version if there is one."""
+        """Between turns and during generation: heartbeat (at least as often as WELCOME's
+        ``heartbeat_s`` asks, at most every 0.5 s), and swap to a newer version if there is one."""
         now = time.monotonic()
-        if now - self._last_poll < 0.5:
+        if now - self._last_poll < min(0.5, self.link.heartbeat_s):
             return
         self._last_poll = now
-        self.latest = self._call("HEARTBEAT", {"version": self.engine.version}).header[
-            "latest_version"
-        ]
+        self.link.call("HEARTBEAT", {"version": self.engine.version})
         self.health.beat("generating")
-        if self.latest > self.engine.version:
+        if self.link.latest > self.engine.version:
             self.sync_weights()
 
     def request_permits(self) -> list[dict]:
-        reply = self._call(
+        reply = self.link.call(
             "PERMITS_REQ",
             {
                 "n": self.cfg.actor.permits_per_request,
@@ -169,7 +121,6 @@ class Actor:
                 "group": self.cfg.actor.group_size,
             },
         )
-        self.latest = reply.header["latest_version"]
         if reply.kind == "PERMITS":
             return reply.header["permits"]
         self.health.beat(f"permits ({reply.header['reason']})")
@@ -181,21 +132,9 @@ class Actor:
 
     def send(self, seg: Segment) -> bool:
         """Stream one segment; False when the broker will never take this episode (stop playing it)."""
-        try:
-            reply = self._call("TRAJ", seg.header(), seg.arrays())
-        except (
-            TransportError
-        ) as exc:  # refused for good (unknown permit after a broker restart, ...)
-            M_LOST.labels(reason=exc.code).inc()
-            log.warning(
-                "segment refused; abandoning its episode", traj_id=seg.traj_id, error=str(exc)
-            )
-            return False
-        if reply.header.get("dropped"):
-            M_LOST.labels(reason=reply.header["dropped"]).inc()
-            log.info(
-                "episode dropped by the broker", traj_id=seg.traj_id, reason=reply.header["dropped"]
-            )
+        lost = self.link.add(seg)
+        if lost:
+            M_LOST.labels(reason=lost).inc()
             return False
         M_SEGMENTS.inc()
         return True
@@ -253,15 +192,13 @@ class Actor:
         self.held = [p for p in self.held if p["id"] != ep.permit]
 
     def run(self, should_stop: Callable[[], bool]) -> None:
-        self.should_stop = should_stop
-        self.latest = self._call(
-            "HELLO", {"role": "actor", "version": -1, "held_permits": []}
-        ).header["latest_version"]
+        self.link.should_stop = should_stop
+        self.link.register()
         self.health.ready = True
         try:
             while not should_stop():
                 self.health.beat("permits")
-                if self.latest > self.engine.version or self.engine.version < 0:
+                if self.link.latest > self.engine.version or self.engine.version < 0:
                     self.sync_weights()
                     if self.engine.version < 0:
                         time.sleep(0.2)
@@ -274,9 +211,5 @@ class Actor:
             self.close()
 
     def close(self) -> None:
-        with contextlib.suppress(
-            TransportError
-        ):  # a gone broker reclaims our permits by heartbeat timeout
-            self.client.request("BYE", timeout_s=1.0)
-        self.client.close()
+        self.link.close()
         log.info("actor stopped", actor_id=self.id, episodes=self.episodes_started)

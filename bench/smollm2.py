@@ -158,7 +158,7 @@ def bench_push(cfg: Config, actor_counts: tuple[int, ...]) -> list[dict]:
         learner.connect()  # HELLO and the first publish
         nbytes = sum(t.numel() * t.element_size() for t in learner.export_weights().values())
         for actor in actors:
-            actor.hello()
+            actor.link.register()
         for n in actor_counts:
             learner.version += 1
             t0 = time.perf_counter()

@@ -21,16 +21,13 @@ micro-batch or two.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import structlog
 import torch
@@ -40,13 +37,12 @@ from common.config import Config, LearnerConfig
 from common.log import bind_version
 from common.metrics import Health
 from common.model import state_dict_for_export, tied_keys
-from common.protocol import decode, encode
-from common.retry import Backoff, call_with_retry
 from common.trajectory import Segment
-from common.transport import Client, Endpoint, free_port
 from common.weights import pack_state_dict
 from learner import data
 from learner.algorithms import ESTIMATORS, Scores, Targets, behavior_weights
+from learner.distributed import all_reduce, any_rank, init_distributed
+from learner.link import BrokerLink, share_batch
 from learner.losses import (
     clip_schedule,
     kl_penalty,
@@ -69,7 +65,6 @@ M_REJECTED = Counter(
     "sampled with a nucleus the learner cannot score (top_p).",
     ["reason"],
 )
-M_IDLE = Counter("asyncppo_learner_idle_seconds_total", "Seconds spent waiting for batches.")
 M_STEP_S = Histogram(
     "asyncppo_learner_step_seconds",
     "Seconds per training step (excluding the wait).",
@@ -100,57 +95,6 @@ GAUGES = {
     }.items()
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-PUBLISH_GROUP = 16  # weight chunks pipelined between two liveness beats
-
-
-def init_distributed() -> tuple[int, int]:
-    """Rank and world size; a single process outside a launcher gets the env DeepSpeed needs."""
-    import deepspeed
-
-    if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-        )
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-
-
-def broadcast_bytes(payload: bytes | None, rank: int, device: torch.device | None = None) -> bytes:
-    """Rank 0's bytes to every rank, as a uint8 tensor (never pickled objects).
-
-    ``device`` is the engine's: collectives run there (NCCL takes only CUDA tensors, gloo CPU ones).
-    """
-    import torch.distributed as dist
-
-    size = torch.tensor([len(payload) if rank == 0 else 0], dtype=torch.int64, device=device)
-    dist.broadcast(size, 0)
-    buf = (
-        torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-        if rank == 0
-        else torch.empty(int(size), dtype=torch.uint8, device=device)
-    )
-    dist.broadcast(buf, 0)
-    return buf.cpu().numpy().tobytes()
-
-
-def all_reduce(
-    values: list[float], op: str = "sum", device: torch.device | None = None
-) -> list[float]:
-    """Sum (or max) of ``values`` over all ranks, as float64 on ``device`` (the engine's)."""
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def any_rank(flag: bool, device: torch.device | None = None) -> bool:
-    """True on every rank if ``flag`` is true on any rank (an all-reduce max)."""
-    return all_reduce([float(flag)], "max", device)[0] > 0
 
 
 def clip_epsilon(step: int, lc: LearnerConfig) -> float:
@@ -265,19 +209,11 @@ class Learner:
         self.ckpt_dir = Path(self.lc.checkpoint_dir or self.run_dir / "checkpoints")
         if resume is not None:
             self._load_checkpoint(resume)
-        self.client: Client | None = None
-        # Rank 0 keeps the last published (manifest, chunks), one host copy of the policy, to give
-        # a broker that lost them (restarted without a spool) the current weights again.
-        self._published: tuple[dict, list[memoryview]] | None = None
-        if self.rank == 0:
-            self.client = Client(
-                Endpoint(cfg.security, cfg.broker.max_message_bytes),
-                self.lc.broker,
-                f"learner-{socket.gethostname()}-{os.getpid()}",
-                timeout_s=self.lc.broker_timeout_s,
-            )
-            self.steps_log = open(self.run_dir / "learner_steps.jsonl", "a")  # noqa: SIM115 (kept open)
         self._stop = False
+        # Rank 0's batches in, versions out: the only part of the learner that speaks the protocol.
+        self.link = BrokerLink(cfg, self.health, lambda: self._stop) if self.rank == 0 else None
+        if self.rank == 0:
+            self.steps_log = open(self.run_dir / "learner_steps.jsonl", "a")  # noqa: SIM115 (kept open)
         log.info(
             "learner ready",
             rank=self.rank,
@@ -315,104 +251,29 @@ class Learner:
 
         Ready (``/readyz``) once the broker has answered: the all-reduce waits for rank 0's WELCOME.
         """
-        if self.rank == 0:
-            latest = self._call("HELLO", self._hello_header()).header["latest_version"]
-            self.version = max(self.version, latest + 1)
+        if self.link is not None:
+            self.version = max(self.version, self.link.hello(self.version) + 1)
         self.version = int(self._all_reduce([float(self.version)], "max")[0])
         self.health.ready = True
         self.publish()
-
-    def _hello_header(self) -> dict[str, Any]:
-        return {
-            "role": "learner",
-            "version": self.version,
-            "batch_size": self.lc.batch_size,
-            "publish_every": self.lc.publish_every,
-        }
-
-    def _hello(self) -> int:
-        """One HELLO as the learner (no retry); the broker's newest complete version, −1 if none."""
-        assert self.client is not None
-        return self.client.request("HELLO", self._hello_header()).header["latest_version"]
-
-    def _call(
-        self, kind: str, header: dict | None = None, tensors: dict | None = None, **kw: Any
-    ) -> Any:
-        """Requests to the broker survive its restarts: retry with backoff; when the broker has
-        forgotten the learner, say HELLO again (``connect_hello``) before the retry."""
-        client = self.client
-        assert client is not None
-        return call_with_retry(
-            lambda: client.request(kind, header, tensors, **kw),
-            what=kind,
-            should_stop=lambda: self._stop,
-            on_retry=lambda exc: self.health.beat(f"broker ({exc})"),
-            prepare=lambda exc: self.connect_hello() if exc.code == "not_learner" else None,
-        )
-
-    def connect_hello(self) -> None:
-        """HELLO again (the broker restarted). A broker whose newest version is older than ours
-        (one restarted without a spool has none) gets the current weights again, under the current
-        version: never a lower one, so what actors already hold stays valid."""
-        latest = self._hello()
-        if self._published is not None and latest < self._published[0]["version"]:
-            log.warning(
-                "broker lacks the current weights, publishing them again",
-                version=self.version,
-                broker_latest=latest,
-            )
-            self._send_weights(*self._published)
 
     def publish(self) -> None:
         """Export the full state dict (tied tensors once), chunk it, push it; visible on COMMIT."""
         t0 = time.monotonic()
         self.health.beat("publishing weights")
         tensors = self.export_weights()
-        if self.rank == 0:
-            self._published = pack_state_dict(tensors, self.version, self.lc.weight_chunk_bytes)
+        if self.link is not None:
+            manifest, chunks = pack_state_dict(tensors, self.version, self.lc.weight_chunk_bytes)
             del tensors
-            self._send_weights(*self._published)
+            self.link.publish(manifest, chunks)
             log.info(
                 "published weights",
                 version=self.version,
-                bytes=self._published[0]["total_bytes"],
+                bytes=manifest["total_bytes"],
                 seconds=round(time.monotonic() - t0, 3),
             )
         M_VERSION.set(self.version)
         bind_version(self.version)
-
-    def _send_weights(self, manifest: dict, chunks: list[memoryview]) -> None:
-        """PUBLISH_BEGIN, the chunks (pipelined, a liveness beat between groups), PUBLISH_COMMIT.
-
-        A broker restart on the way (timeout, ``no_publish``, ``not_learner``) starts it over after
-        a HELLO; it is done once the broker has this version (say, only the COMMIT's reply was lost).
-        """
-        client = self.client
-        assert client is not None
-        version = manifest["version"]
-        headers = [{"version": version, "chunk": i} for i in range(len(chunks))]
-        frames = [{"data": np.frombuffer(c, dtype=np.uint8)} for c in chunks]
-
-        tries = 0
-
-        def attempt() -> None:
-            nonlocal tries
-            tries += 1
-            if tries > 1 and self._hello() >= version:
-                return  # interrupted after the broker had it (say, the COMMIT's reply was lost)
-            client.request("PUBLISH_BEGIN", {"manifest": manifest})
-            for i in range(0, len(chunks), PUBLISH_GROUP):
-                self.health.beat("publishing weights")
-                group = slice(i, i + PUBLISH_GROUP)
-                client.pipeline("PUBLISH_CHUNK", headers[group], tensors=frames[group])
-            client.request("PUBLISH_COMMIT", {"version": version})
-
-        call_with_retry(
-            attempt,
-            what=f"publish of version {version}",
-            on_retry=lambda exc: self.health.beat(f"broker ({exc})"),
-            backoff=Backoff(first_s=0.5, max_s=0.5),
-        )
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The policy's full state dict as ``publish`` sends it (tied tensors once); {} off rank 0.
@@ -434,43 +295,9 @@ class Learner:
 
     def _get_batch(self) -> list[Segment]:
         """Rank 0 waits for a batch; every rank gets the same segments, validated by the wire decoder."""
-        msg = None
-        if self.rank == 0:
-            t0 = time.monotonic()
-            publishes_after = (self.step + 1) % self.lc.publish_every == 0
-            while not self._stop:
-                self.health.beat("batch from broker")
-                reply = self._call(
-                    "GET_BATCH",
-                    {
-                        "version": self.version,
-                        "n": self.lc.batch_size,
-                        "publishes_after": publishes_after,
-                    },
-                    timeout_s=self.lc.broker_timeout_s + self.cfg.broker.batch_wait_s,
-                )
-                if reply.kind == "BATCH":
-                    msg = reply
-                    break
-                log.info("waiting for a batch", broker_says=reply.header["reason"])
-            M_IDLE.inc(time.monotonic() - t0)
-        if self.world > 1:
-            frames = (
-                [bytes(f) for f in encode("BATCH", msg.header, msg.tensors)]
-                if msg is not None
-                else []
-            )
-            payload = broadcast_bytes(
-                msgpack.packb(frames, use_bin_type=True) if frames else b"", self.rank, self.device
-            )
-            msg = decode(msgpack.unpackb(payload, raw=False)) if payload else None
-        if msg is None:
-            return []
-        segs = [
-            Segment.from_wire(h, msg.tensors, prefix=f"{i}.")
-            for i, h in enumerate(msg.header["segments"])
-        ]
-        return self._trainable(segs)
+        publishes_after = (self.step + 1) % self.lc.publish_every == 0
+        msg = self.link.next_batch(self.version, publishes_after) if self.link else None
+        return self._trainable(share_batch(msg, self.rank, self.world, self.device))
 
     def _trainable(self, segs: list[Segment]) -> list[Segment]:
         """Drop (and count) whole episodes the learner cannot train on faithfully, instead of
@@ -874,6 +701,6 @@ class Learner:
             log.info("exported Hugging Face checkpoint", dir=out_dir)
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
+        if self.link is not None:
+            self.link.close()
             self.steps_log.close()

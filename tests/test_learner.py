@@ -37,9 +37,9 @@ from common.transport import TransportError
 from common.weights import pack_state_dict, unpack_state_dict
 from deploy.cli import build_parser
 from learner import data
+from learner.link import PUBLISH_GROUP
 from learner.models import Policy, token_logprobs
 from learner.trainer import (
-    PUBLISH_GROUP,
     Learner,
     clip_epsilon,
     explained_variance,
@@ -479,7 +479,7 @@ class RecordingHealth(Health):
 
 
 class FakeBroker:
-    """Stands in for the learner's broker client: answers every request, records what was sent
+    """Stands in for the socket client of the learner's broker link: answers every request, records what was sent
     and whether the learner was ready (``/readyz``) at that moment."""
 
     def __init__(self, learner: Learner, latest_version: int, fail_first: int = 0) -> None:
@@ -507,15 +507,15 @@ class FakeBroker:
 
 def test_long_phases_keep_the_liveness_watchdog_fed(new_learner, tiny_model):
     learner = new_learner("learner.micro_batch_tokens=16", "learner.weight_chunk_bytes=4096")
-    learner.health = health = RecordingHealth()
+    learner.health = learner.link.health = health = RecordingHealth()
     batch = on_policy(fixed_batch(), tiny_model)
     n_micro = len(data.micro_batches(batch, 16))
     learner.train_step(batch)
     assert health.beats.count("scoring the batch") == n_micro
     assert health.beats.count("training") == 2 * n_micro  # critic, then policy
-    learner.client = FakeBroker(learner, latest_version=-1)
+    learner.link.client = FakeBroker(learner, latest_version=-1)
     learner.publish()
-    chunk_groups = [n for kind, n, _ in learner.client.sent if kind == "PUBLISH_CHUNK"]
+    chunk_groups = [n for kind, n, _ in learner.link.client.sent if kind == "PUBLISH_CHUNK"]
     assert len(chunk_groups) > 1 and max(chunk_groups) == PUBLISH_GROUP
     assert health.beats.count("publishing weights") == 1 + len(chunk_groups)
     health.beats.clear()
@@ -535,7 +535,7 @@ def test_stall_threshold_comes_from_the_config(monkeypatch):
 
 def test_ready_only_after_the_broker_welcomed_the_learner(new_learner):
     learner = new_learner()
-    learner.client = broker = FakeBroker(learner, latest_version=-1, fail_first=1)
+    learner.link.client = broker = FakeBroker(learner, latest_version=-1, fail_first=1)
     learner.connect()
     assert [(kind, ready) for kind, _, ready in broker.sent[:2]] == [
         ("HELLO", False),  # no reply: not ready
@@ -546,14 +546,14 @@ def test_ready_only_after_the_broker_welcomed_the_learner(new_learner):
 
 def test_a_broker_that_lost_the_weights_gets_the_current_version_again(new_learner):
     learner = new_learner()
-    learner.client = broker = FakeBroker(learner, latest_version=4)
+    learner.link.client = broker = FakeBroker(learner, latest_version=4)
     learner.connect()  # starts above the broker's newest version
     assert learner.version == 5 and broker.latest == 5
     broker.sent.clear()
-    learner.connect_hello()  # the same broker: it has version 5, nothing to send
+    learner.link.reconnect()  # the same broker: it has version 5, nothing to send
     assert [kind for kind, _, _ in broker.sent] == ["HELLO"]
     broker.latest = -1  # restarted without a spool
-    learner.connect_hello()
+    learner.link.reconnect()
     begins = [version for kind, version, _ in broker.sent if kind == "PUBLISH_BEGIN"]
     assert begins == [5] and broker.latest == 5 and learner.version == 5
 

@@ -245,7 +245,7 @@ def test_zero2_step_on_two_ranks_and_the_pushed_weights_reach_an_actor_bit_for_b
     cfg = load_config("configs/smollm2-arith.yaml", [*overrides, "actor.id=checker"])
     fresh = Actor(cfg)
     try:
-        fresh.hello()
+        fresh.link.register()
         fresh.sync_weights()
         assert fresh.engine.version == step["version"] + 1  # the version published after the step
         pushed = fresh.engine.model.state_dict()

@@ -1,0 +1,176 @@
+"""The learner's link to the broker: the one module of ``learner/`` that speaks the protocol.
+
+The learner reads batches from a ``BatchSource`` and writes versions to a ``Publisher``; here
+both are served by ``BrokerLink`` (rank 0's DEALER socket, docs/protocol.md §8 *Learner*), and
+``share_batch`` hands rank 0's batch to every rank. Everything else in the learner is algorithm.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import msgpack
+import numpy as np
+import structlog
+import torch
+from prometheus_client import Counter
+
+from common.config import Config
+from common.metrics import Health
+from common.protocol import Message, decode, encode
+from common.retry import Backoff, call_with_retry
+from common.trajectory import Segment
+from common.transport import Client, Endpoint, TransportError
+from learner.distributed import broadcast_bytes
+
+log = structlog.get_logger()
+M_IDLE = Counter("asyncppo_learner_idle_seconds_total", "Seconds spent waiting for batches.")
+PUBLISH_GROUP = 16  # weight chunks pipelined between two liveness beats
+
+
+class BatchSource(Protocol):
+    def next_batch(self, version: int, publishes_after: bool) -> Message | None:
+        """The next batch of whole episodes for a learner at ``version`` (None once stopping)."""
+        ...
+
+
+class Publisher(Protocol):
+    def publish(self, manifest: dict, chunks: list[memoryview]) -> None:
+        """Make a version visible to the actors (whole, or not at all)."""
+        ...
+
+
+class BrokerLink:
+    """Rank 0's requests to the broker, each retried through broker restarts (common.retry)."""
+
+    def __init__(self, cfg: Config, health: Health, should_stop: Callable[[], bool]):
+        self.lc, self.health, self.should_stop = cfg.learner, health, should_stop
+        self.batch_timeout_s = cfg.learner.broker_timeout_s + cfg.broker.batch_wait_s
+        self.client = Client(
+            Endpoint(cfg.security, cfg.broker.max_message_bytes),
+            cfg.learner.broker,
+            f"learner-{socket.gethostname()}-{os.getpid()}",
+            timeout_s=cfg.learner.broker_timeout_s,
+        )
+        self.version = 0  # the version the learner trains (its HELLO says so)
+        # The last published (manifest, chunks), one host copy of the policy: a broker that lost
+        # it (restarted without a spool) gets the current weights again.
+        self.published: tuple[dict, list[memoryview]] | None = None
+
+    def _hello_once(self) -> int:
+        """One HELLO as the learner; the broker's newest complete version, −1 if none."""
+        header = {
+            "role": "learner",
+            "version": self.version,
+            "batch_size": self.lc.batch_size,
+            "publish_every": self.lc.publish_every,
+        }
+        return self.client.request("HELLO", header).header["latest_version"]
+
+    def _rehello(self, exc: TransportError) -> None:
+        if exc.code == "not_learner":  # the broker restarted, or the role lapsed
+            self.reconnect()
+
+    def reconnect(self) -> None:
+        """HELLO again; a broker older than our last version (one restarted without a spool has
+        none) gets those weights again, under the same version, never a lower one, so what
+        actors already hold stays valid."""
+        latest = self._hello_once()
+        if self.published is not None and latest < self.published[0]["version"]:
+            log.warning(
+                "broker lacks the current weights, publishing them again",
+                version=self.version,
+                broker_latest=latest,
+            )
+            self.publish(*self.published)
+
+    def _call(self, kind: str, header: dict, **kw: object) -> Message:
+        return call_with_retry(
+            lambda: self.client.request(kind, header, **kw),
+            what=kind,
+            should_stop=self.should_stop,
+            on_retry=lambda exc: self.health.beat(f"broker ({exc})"),
+            prepare=self._rehello,
+        )
+
+    def hello(self, version: int) -> int:
+        """Register as the learner (retrying); the broker's newest complete version."""
+        self.version = version
+        return call_with_retry(
+            self._hello_once,
+            what="HELLO",
+            should_stop=self.should_stop,
+            on_retry=lambda exc: self.health.beat(f"broker ({exc})"),
+        )
+
+    def publish(self, manifest: dict, chunks: list[memoryview]) -> None:
+        """PUBLISH_BEGIN, the chunks (pipelined, a liveness beat between groups), PUBLISH_COMMIT.
+
+        An interruption (timeout, ``no_publish``, ``not_learner``) starts it over after a HELLO;
+        it is done once the broker has this version (say, only the COMMIT's reply was lost).
+        """
+        self.published = (manifest, chunks)
+        version = self.version = manifest["version"]
+        headers = [{"version": version, "chunk": i} for i in range(len(chunks))]
+        frames = [{"data": np.frombuffer(c, dtype=np.uint8)} for c in chunks]
+        tries = 0
+
+        def attempt() -> None:
+            nonlocal tries
+            tries += 1
+            if tries > 1 and self._hello_once() >= version:
+                return
+            self.client.request("PUBLISH_BEGIN", {"manifest": manifest})
+            for i in range(0, len(chunks), PUBLISH_GROUP):
+                self.health.beat("publishing weights")
+                group = slice(i, i + PUBLISH_GROUP)
+                self.client.pipeline("PUBLISH_CHUNK", headers[group], tensors=frames[group])
+            self.client.request("PUBLISH_COMMIT", {"version": version})
+
+        call_with_retry(
+            attempt,
+            what=f"publish of version {version}",
+            on_retry=lambda exc: self.health.beat(f"broker ({exc})"),
+            backoff=Backoff(first_s=0.5, max_s=0.5),
+        )
+
+    def next_batch(self, version: int, publishes_after: bool) -> Message | None:
+        """Ask until the broker has a batch (it answers WAIT, naming what it waits for)."""
+        t0 = time.monotonic()
+        header = {"version": version, "n": self.lc.batch_size, "publishes_after": publishes_after}
+        try:
+            while not self.should_stop():
+                self.health.beat("batch from broker")
+                reply = self._call("GET_BATCH", header, timeout_s=self.batch_timeout_s)
+                if reply.kind == "BATCH":
+                    return reply
+                log.info("waiting for a batch", broker_says=reply.header["reason"])
+            return None
+        finally:
+            M_IDLE.inc(time.monotonic() - t0)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def share_batch(
+    msg: Message | None, rank: int, world: int, device: torch.device | None = None
+) -> list[Segment]:
+    """Rank 0's batch on every rank, as its raw frames (never pickled), decoded and validated by
+    the same wire decoder everywhere."""
+    if world > 1:
+        frames = [bytes(f) for f in encode("BATCH", msg.header, msg.tensors)] if msg else []
+        payload = broadcast_bytes(
+            msgpack.packb(frames, use_bin_type=True) if frames else b"", rank, device
+        )
+        msg = decode(msgpack.unpackb(payload, raw=False)) if payload else None
+    if msg is None:
+        return []
+    return [
+        Segment.from_wire(h, msg.tensors, prefix=f"{i}.")
+        for i, h in enumerate(msg.header["segments"])
+    ]
