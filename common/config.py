@@ -12,7 +12,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -39,7 +39,9 @@ class ModelConfig:
     )
     hidden_size: int = param(64, "Hidden size of the built-in tiny model.")
     num_layers: int = param(2, "Layers of the built-in tiny model.")
-    dtype: str = param("float32", "Learner parameter dtype: float32 (CPU) or bfloat16 (GPU).")
+    dtype: Literal["float32", "bfloat16"] = param(
+        "float32", "Learner parameter dtype: float32 (CPU) or bfloat16 (GPU)."
+    )
 
 
 @dataclass
@@ -88,11 +90,11 @@ class ActorConfig:
     id: str | None = param(
         None, "Actor id; default: hostname-pid (env ASYNCPPO_ACTOR_ID also sets it)."
     )
-    engine: str = param(
+    engine: Literal["torch", "sglang", "simulated"] = param(
         "torch",
         "Inference engine: torch (CPU), sglang (GPU) or simulated (no model: random tokens, long-tailed latency).",
     )
-    engine_dtype: str = param(
+    engine_dtype: Literal["auto", "float32", "bfloat16"] = param(
         "auto",
         "Engine weight dtype: auto (the engine's default: torch float32, sglang bfloat16), float32 or bfloat16.",
     )
@@ -127,7 +129,7 @@ class LearnerConfig:
         "Seconds the learner waits for a broker reply (a GET_BATCH: broker.batch_wait_s longer) "
         "before it presumes the broker restarted and retries.",
     )
-    algorithm: str = param(
+    algorithm: Literal["ppo", "grpo"] = param(
         "ppo", "ppo (critic + GAE) or grpo (group-relative outcome advantage, no critic)."
     )
     batch_size: int = param(
@@ -154,7 +156,7 @@ class LearnerConfig:
     max_segment_steps: int = param(
         50, "GAE is cut every this many turns inside a segment, bootstrapped (dynamic truncation)."
     )
-    correction: str = param(
+    correction: Literal["icepop", "tis", "none"] = param(
         "icepop", "Behavior-policy correction: icepop (mask), tis (truncate) or none."
     )
     icepop_low: float = param(0.5, "IcePop: keep tokens whose pi_prox/mu is at least this.")
@@ -169,7 +171,7 @@ class LearnerConfig:
         "PPO clip epsilon at total_steps (linear from clip_start); unused when total_steps is 0.",
     )
     value_clip: float = param(0.2, "Value-loss clip range.")
-    critic: str = param(
+    critic: Literal["separate", "shared"] = param(
         "separate",
         "Critic: separate (own model + scalar head) or shared (value head on the policy trunk).",
     )
@@ -226,7 +228,9 @@ class RunConfig:
     metrics_base_port: int = param(
         0, "`up`: broker on this port, learner +1, actors +10..; 0 disables."
     )
-    log_format: str = param("auto", "Logs: json, console or auto (console on a TTY).")
+    log_format: Literal["auto", "json", "console"] = param(
+        "auto", "Logs: json, console or auto (console on a TTY)."
+    )
     log_level: str = param("info", "Log level.")
 
 
@@ -240,20 +244,16 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
 
-CHOICES: dict[str, tuple[str, ...]] = {
-    "actor.engine": ("torch", "sglang", "simulated"),
-    "actor.engine_dtype": ("auto", "float32", "bfloat16"),
-    "learner.algorithm": ("ppo", "grpo"),
-    "learner.correction": ("icepop", "tis", "none"),
-    "learner.critic": ("separate", "shared"),
-    "model.dtype": ("float32", "bfloat16"),
-    "run.log_format": ("auto", "json", "console"),
-}
-
-
 def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
     """Check ``value`` against a field annotation; ints are accepted where floats are expected."""
     origin = typing.get_origin(annotation)
+    if origin is Literal:  # a choice: the type names the options
+        options = typing.get_args(annotation)
+        if value in options and isinstance(value, str):
+            return value
+        raise ConfigError(
+            f"config key '{key}' ({source}): {value!r} is not one of {', '.join(options)}"
+        )
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
         if value is None and type(None) in options:
@@ -298,11 +298,6 @@ def _merge(obj: Any, data: dict, prefix: str, source: str) -> None:
 
 def validate(cfg: Config) -> Config:
     """Cross-field checks that a type alone cannot express."""
-    for key, options in CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value not in options:
-            raise ConfigError(f"config key '{key}': {value!r} is not one of {', '.join(options)}")
     positive = [
         "learner.batch_size",
         "learner.publish_every",

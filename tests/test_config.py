@@ -39,7 +39,11 @@ def test_defaults_yaml_and_overrides_merge(tmp_path):
         ),
         ("learner.batch_size=2.5", "expected int, got float 2.5"),
         ("learner.batch_size=true", "expected int, got bool True"),
-        ("actor.engine=vllm", "'actor.engine': 'vllm' is not one of torch, sglang"),
+        (
+            "actor.engine=vllm",
+            "'actor.engine' (--set actor.engine=vllm): 'vllm' is not one of torch, sglang",
+        ),
+        ("learner.correction=7", "'learner.correction' (--set learner.correction=7): 7 is not"),
         ("learner.batch_size=0", "'learner.batch_size' must be >= 1"),
         ("broker.max_staleness=-1", "'broker.max_staleness' must be >= 0"),
         ("learner.icepop_low=2", "need 0 < low <= 1 <= high"),
