@@ -21,11 +21,33 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names the key, the value and its source."""
 
 
-def param(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field with a default and a help string (shown in the config reference)."""
+def param(
+    default: Any,
+    help: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    above: float | None = None,
+) -> Any:
+    """A dataclass field with a default, a help string (shown in the config reference) and the
+    bounds of its value, checked with the value's type wherever a value is set."""
+    meta = {"help": help, "minimum": minimum, "maximum": maximum, "above": above}
     if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _check_bounds(value: Any, meta: Any, key: str, source: str) -> None:
+    lo, hi, above = meta["minimum"], meta["maximum"], meta["above"]
+    if lo is not None and hi is not None and not lo <= value <= hi:
+        rule = f"{lo}-{hi}"
+    elif lo is not None and value < lo:
+        rule = f">= {lo}"
+    elif above is not None and not value > above:
+        rule = f"> {above}"
+    else:
+        return
+    raise ConfigError(f"config key '{key}' must be {rule}, got {value!r} ({source})")
 
 
 @dataclass
@@ -51,13 +73,15 @@ class BrokerConfig:
         "ZeroMQ ROUTER endpoint the broker binds (actors and learner connect).",
     )
     max_staleness: int = param(
-        1, "Largest allowed policy-version lag of any trained token; 0 is the synchronous baseline."
+        1,
+        "Largest allowed policy-version lag of any trained token; 0 is the synchronous baseline.",
+        minimum=0,
     )
     max_queue_bytes: int = param(
         1 << 30, "Bytes of queued segments above which new segments get a retryable `busy`."
     )
     max_message_bytes: int = param(
-        256 << 20, "ZMQ_MAXMSGSIZE on every socket: larger messages are refused."
+        256 << 20, "ZMQ_MAXMSGSIZE on every socket: larger messages are refused.", minimum=1
     )
     heartbeat_timeout_s: float = param(
         15.0, "An actor silent this long is presumed dead; its permits are reclaimed."
@@ -78,9 +102,12 @@ class BrokerConfig:
         30.0,
         "The learner role belongs to the connection that took it; another connection may take it "
         "over only once the holder has been silent this long (at once under Curve with the same key).",
+        above=0,
     )
     max_actors: int = param(
-        10000, "Registered actors at most; a HELLO beyond it gets a retryable `actor_limit`."
+        10000,
+        "Registered actors at most; a HELLO beyond it gets a retryable `actor_limit`.",
+        minimum=1,
     )
 
 
@@ -101,16 +128,20 @@ class ActorConfig:
     env: str = param("digits", "Environment name (see actors.envs.ENV_NAMES).")
     env_kwargs: dict = param({}, "Keyword arguments for the environment constructor.")
     permits_per_request: int = param(
-        4, "Episodes asked for at once; they are generated as one batch."
+        4, "Episodes asked for at once; they are generated as one batch.", minimum=1
     )
-    group_size: int = param(1, "Episodes per prompt sharing a group_id (GRPO needs > 1).")
+    group_size: int = param(
+        1, "Episodes per prompt sharing a group_id (GRPO needs > 1).", minimum=1
+    )
     temperature: float = param(
         1.0, "Sampling temperature; each segment carries it and the learner scores with it."
     )
     top_p: float = param(
         1.0, "Nucleus sampling threshold: only 1.0 can be trained on (the learner refuses < 1)."
     )
-    max_turns: int = param(50, "Turn budget of an episode; reaching it truncates the episode.")
+    max_turns: int = param(
+        50, "Turn budget of an episode; reaching it truncates the episode.", minimum=1
+    )
     context_budget_tokens: int = param(
         512,
         "When the context passes this many tokens the environment compacts and a new segment starts.",
@@ -128,21 +159,24 @@ class LearnerConfig:
         60.0,
         "Seconds the learner waits for a broker reply (a GET_BATCH: broker.batch_wait_s longer) "
         "before it presumes the broker restarted and retries.",
+        above=0,
     )
     algorithm: Literal["ppo", "grpo"] = param(
         "ppo", "ppo (critic + GAE) or grpo (group-relative outcome advantage, no critic)."
     )
     batch_size: int = param(
-        16, "Episodes per learner step (the broker's admission control uses it too)."
+        16, "Episodes per learner step (the broker's admission control uses it too).", minimum=1
     )
-    publish_every: int = param(1, "Publish a new policy version every this many learner steps.")
+    publish_every: int = param(
+        1, "Publish a new policy version every this many learner steps.", minimum=1
+    )
     total_steps: int = param(20, "Learner steps to train; 0 means run until stopped.")
     lr: float = param(1e-3, "Policy learning rate (AdamW).")
     critic_lr: float = param(2e-3, "Critic learning rate (AdamW).")
     weight_decay: float = param(0.0, "AdamW weight decay.")
-    ppo_epochs: int = param(1, "Passes over each batch.")
+    ppo_epochs: int = param(1, "Passes over each batch.", minimum=1)
     micro_batch_tokens: int = param(
-        4096, "Tokens per micro-batch (gradient accumulation splits larger batches)."
+        4096, "Tokens per micro-batch (gradient accumulation splits larger batches).", minimum=1
     )
     gamma: float = param(1.0, "Discount factor.")
     lam: float = param(0.95, "GAE lambda of the policy advantages.")
@@ -154,7 +188,9 @@ class LearnerConfig:
         "If set, the policy lambda = 1 - 1/(alpha*L) per segment of L action tokens (length-adaptive).",
     )
     max_segment_steps: int = param(
-        50, "GAE is cut every this many turns inside a segment, bootstrapped (dynamic truncation)."
+        50,
+        "GAE is cut every this many turns inside a segment, bootstrapped (dynamic truncation).",
+        minimum=1,
     )
     correction: Literal["icepop", "tis", "none"] = param(
         "icepop", "Behavior-policy correction: icepop (mask), tis (truncate) or none."
@@ -178,10 +214,10 @@ class LearnerConfig:
     critic_warmup_steps: int = param(
         0, "Steps that train only the critic before policy updates start."
     )
-    critic_updates: int = param(1, "Critic updates per policy update.")
+    critic_updates: int = param(1, "Critic updates per policy update.", minimum=1)
     value_coef: float = param(0.5, "Weight of the value loss with a shared critic.")
     kl_coef: float = param(0.0, "KL penalty to the frozen initial policy (0 = off, the default).")
-    zero_stage: int = param(1, "DeepSpeed ZeRO stage 0-3.")
+    zero_stage: int = param(1, "DeepSpeed ZeRO stage 0-3.", minimum=0, maximum=3)
     grad_clip: float = param(1.0, "Gradient-norm clipping.")
     checkpoint_dir: str | None = param(None, "Where checkpoints go; default <run dir>/checkpoints.")
     checkpoint_every: int = param(
@@ -190,7 +226,7 @@ class LearnerConfig:
     export_dir: str | None = param(
         None, "Write a Hugging Face save_pretrained copy of the policy here at the end."
     )
-    weight_chunk_bytes: int = param(64 << 20, "Chunk size of published weights.")
+    weight_chunk_bytes: int = param(64 << 20, "Chunk size of published weights.", minimum=1)
     seed: int = param(0, "Seed of the learner.")
 
 
@@ -224,6 +260,7 @@ class RunConfig:
         120.0,
         "Liveness: /healthz answers 503 when a role's loop reports no progress for this long (the "
         "learner reports between micro-batches, weight chunks and checkpoint parts).",
+        above=0,
     )
     metrics_base_port: int = param(
         0, "`up`: broker on this port, learner +1, actors +10..; 0 disables."
@@ -293,50 +330,18 @@ def _merge(obj: Any, data: dict, prefix: str, source: str) -> None:
         if dataclasses.is_dataclass(current):
             _merge(current, value, f"{key}.", source)
         else:
-            setattr(obj, name, _coerce(value, hints[name], key, source))
+            value = _coerce(value, hints[name], key, source)
+            if value is not None:
+                _check_bounds(value, known[name].metadata, key, source)
+            setattr(obj, name, value)
 
 
 def validate(cfg: Config) -> Config:
-    """Cross-field checks that a type alone cannot express."""
-    positive = [
-        "learner.batch_size",
-        "learner.publish_every",
-        "learner.ppo_epochs",
-        "learner.micro_batch_tokens",
-        "learner.critic_updates",
-        "learner.weight_chunk_bytes",
-        "actor.permits_per_request",
-        "actor.group_size",
-        "actor.max_turns",
-        "learner.max_segment_steps",
-        "broker.max_message_bytes",
-        "broker.max_actors",
-    ]
-    for keys, holds, rule in (
-        (positive, lambda v: v >= 1, ">= 1"),
-        (
-            ("learner.broker_timeout_s", "run.stall_timeout_s", "broker.learner_lease_s"),
-            lambda v: v > 0,
-            "> 0",
-        ),
-    ):
-        for key in keys:
-            section, name = key.split(".")
-            value = getattr(getattr(cfg, section), name)
-            if not holds(value):
-                raise ConfigError(f"config key '{key}' must be {rule}, got {value!r}")
-    if cfg.broker.max_staleness < 0:
-        raise ConfigError(
-            f"config key 'broker.max_staleness' must be >= 0, got {cfg.broker.max_staleness}"
-        )
+    """Checks across keys: a key's own type and bounds are checked as it is read (``param``)."""
     if not 0 < cfg.learner.icepop_low <= 1 <= cfg.learner.icepop_high:
         raise ConfigError(
             "config keys 'learner.icepop_low'/'learner.icepop_high' need 0 < low <= 1 <= high, "
             f"got [{cfg.learner.icepop_low}, {cfg.learner.icepop_high}]"
-        )
-    if cfg.learner.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(
-            f"config key 'learner.zero_stage' must be 0-3, got {cfg.learner.zero_stage}"
         )
     if cfg.actor.top_p != 1.0:
         raise ConfigError(
