@@ -52,7 +52,7 @@ class BrokerLink:
             lambda: self.client.request(kind, header, tensors),
             what=kind,
             should_stop=self.should_stop,
-            on_retry=lambda exc: self.health.beat(f"broker ({exc})"),
+            health=self.health,
             prepare=lambda exc: self.hello() if exc.code == "unknown_actor" else None,
         )
         if "latest_version" in reply.header:
@@ -71,20 +71,20 @@ class BrokerLink:
             max_staleness=reply.header["max_staleness"],
         )
 
+    def _hello_header(self) -> dict[str, Any]:
+        version, held = self.state()
+        return {"role": "actor", "version": version, "held_permits": held}
+
     def register(self) -> None:
         """The first HELLO, retried until the broker takes it (``id_taken`` waits out the lease
         of a previous process under this id)."""
-        version, held = self.state()
-        header = {"role": "actor", "version": version, "held_permits": held}
-        self._welcome(self.call("HELLO", header))
+        self._welcome(self.call("HELLO", self._hello_header()))
 
     def hello(self) -> None:
         """Register again (the broker restarted, or reaped us); a failure is retried by the
         request that needed it."""
-        version, held = self.state()
-        header = {"role": "actor", "version": version, "held_permits": held}
         try:
-            self._welcome(self.client.request("HELLO", header))
+            self._welcome(self.client.request("HELLO", self._hello_header()))
         except TransportError as exc:
             log.warning("HELLO failed; will retry", error=str(exc))
 

@@ -114,14 +114,24 @@ def _nbytes(frames: list) -> int:
     return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
 
 
+def _count(head: dict[str, Any], key: str, *, default: int | None = None) -> int:
+    """A header field that counts something: an int >= 1. Absent, it is ``default``, or
+    ``missing_field`` when there is none; then ``bad_type`` and ``bad_value`` name the field."""
+    if key not in head:
+        if default is None:
+            raise ProtocolError("missing_field", key, "required: an int >= 1")
+        return default
+    value = head[key]
+    if not is_int(value):
+        raise ProtocolError("bad_type", key, f"expected int, got {show(value)}")
+    if value < 1:
+        raise ProtocolError("bad_value", key, f"expected an int >= 1, got {value}")
+    return value
+
+
 def _check_permits_req(head: dict[str, Any]) -> None:
-    if head["n"] < 1:
-        raise ProtocolError("bad_value", "n", f"expected an int >= 1, got {head['n']}")
-    group = head.get("group", 1)
-    if not is_int(group):
-        raise ProtocolError("bad_type", "group", f"expected int, got {show(group)}")
-    if group < 1:
-        raise ProtocolError("bad_value", "group", f"expected an int >= 1, got {group}")
+    _count(head, "n")
+    _count(head, "group", default=1)
 
 
 class Broker:
@@ -314,12 +324,7 @@ class Broker:
         head, client = msg.header, msg.header["id"]
         if head["role"] == "learner":
             for key in ("batch_size", "publish_every"):
-                if key not in head:
-                    raise ProtocolError("missing_field", key, "required in a learner HELLO")
-                if not is_int(head[key]):
-                    raise ProtocolError("bad_type", key, f"expected int, got {show(head[key])}")
-                if head[key] < 1:
-                    raise ProtocolError("bad_value", key, f"expected an int >= 1, got {head[key]}")
+                _count(head, key)
             if self.registry.hello_learner(client, conn, now):
                 self.pending_batch = None  # a replaced learner's parked GET_BATCH goes unanswered
             self.admission.configure(
@@ -424,8 +429,7 @@ class Broker:
             self._send(envelope, reply)
 
     def _check_get_batch(self, head: dict[str, Any]) -> None:
-        if head["n"] < 1:
-            raise ProtocolError("bad_value", "n", f"expected an int >= 1, got {head['n']}")
+        _count(head, "n")
         if head["version"] > self.weights.latest_version:
             raise ProtocolError(
                 "future_version",

@@ -212,10 +212,6 @@ def _unpack_header(view: memoryview) -> dict:
 
 def _type_name(value: Any) -> str:
     """The msgpack name of a decoded value's type, as docs/protocol.md uses them."""
-    if isinstance(value, bool):
-        return "bool"
-    if is_int(value):
-        return "int"
     return _TYPE_NAMES.get(type(value), type(value).__name__)
 
 
@@ -344,9 +340,12 @@ def _decode_tensors(
     taken: set[int] = set()
     for name, desc in descs.items():
         where = f"tensors.{name if len(name) <= 40 else name[:37] + '...'}"
-        if not isinstance(desc, dict):
+        if not isinstance(name, str) or not isinstance(desc, dict):
             raise ProtocolError(
-                "bad_tensors", where, f"a descriptor is a map, got {_type_name(desc)}"
+                "bad_tensors",
+                where,
+                f"a descriptor is a map under a string name, got a {_type_name(desc)} "
+                f"under a {_type_name(name)}",
             )
         dtype, shape, idx = desc.get("dtype"), desc.get("shape"), desc.get("frame")
         if not isinstance(dtype, str) or dtype not in FRAME_DTYPES:

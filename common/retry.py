@@ -3,7 +3,7 @@
 A broker restart, a timeout or a ``busy`` queue is retryable (the reply says so); a request the
 broker refused for good is not, and reaches the caller at once. Between tries the caller repairs
 what the error says (``prepare``: say HELLO again after ``unknown_actor`` or ``not_learner``) and
-reports liveness (``on_retry``), so a role waiting on a broker never looks stalled.
+reports liveness to its ``Health``, so a role waiting on a broker never looks stalled.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import structlog
 
+from common.metrics import Health
 from common.transport import TransportError
 
 log = structlog.get_logger()
@@ -33,14 +34,15 @@ def call_with_retry(
     attempt: Callable[[], T],
     *,
     what: str,
+    health: Health,
     should_stop: Callable[[], bool] = lambda: False,
-    on_retry: Callable[[TransportError], None] = lambda exc: None,
     prepare: Callable[[TransportError], None] = lambda exc: None,
     backoff: Backoff = Backoff(),  # noqa: B008 (frozen: one shared default is safe)
 ) -> T:
     """``attempt()`` until it returns. A retryable TransportError is logged, reported to
-    ``on_retry``, waited out, and handed to ``prepare`` right before the next try (whose own
-    errors count as that try's); a non-retryable one, or any once ``should_stop()``, is raised."""
+    ``health`` as what the role waits for, waited out, and handed to ``prepare`` right before the
+    next try (whose own errors count as that try's); a non-retryable one, or any once
+    ``should_stop()``, is raised."""
     delay, pending = backoff.first_s, None
     while True:
         try:
@@ -50,7 +52,7 @@ def call_with_retry(
         except TransportError as exc:
             if not exc.retryable or should_stop():
                 raise
-            on_retry(exc)
+            health.beat(f"broker ({exc})")
             log.warning(
                 "broker request failed, retrying", what=what, error=str(exc), retry_in_s=delay
             )

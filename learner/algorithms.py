@@ -95,13 +95,12 @@ CORRECTIONS: dict[str, Correction] = {
 
 
 def behavior_weights(
-    segs: list[Segment], prox: list[torch.Tensor], lc: LearnerConfig
+    segs: list[Segment], prox: list[torch.Tensor], masks: list[torch.Tensor], lc: LearnerConfig
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per segment: the correction's weight on action tokens (0 elsewhere), and which action
-    tokens it kept."""
+    """Per segment: the correction's weight on action tokens (``masks``; 0 elsewhere), and which
+    action tokens it kept."""
     weights, keeps = [], []
-    for seg, p in zip(segs, prox, strict=True):
-        mask = torch.from_numpy(seg.action_mask.astype(bool))
+    for seg, p, mask in zip(segs, prox, masks, strict=True):
         mu = torch.from_numpy(seg.behavior_logprobs.astype("float32"))
         w, keep = CORRECTIONS[lc.correction](p, mu, lc)
         weights.append(torch.where(mask, w, 0.0))

@@ -93,7 +93,7 @@ class BrokerLink:
             lambda: self.client.request(kind, header, **kw),
             what=kind,
             should_stop=self.should_stop,
-            on_retry=lambda exc: self.health.beat(f"broker ({exc})"),
+            health=self.health,
             prepare=self._rehello,
         )
 
@@ -104,7 +104,7 @@ class BrokerLink:
             self._hello_once,
             what="HELLO",
             should_stop=self.should_stop,
-            on_retry=lambda exc: self.health.beat(f"broker ({exc})"),
+            health=self.health,
         )
 
     def publish(self, manifest: dict, chunks: list[memoryview]) -> None:
@@ -134,7 +134,7 @@ class BrokerLink:
         call_with_retry(
             attempt,
             what=f"publish of version {version}",
-            on_retry=lambda exc: self.health.beat(f"broker ({exc})"),
+            health=self.health,
             backoff=Backoff(first_s=0.5, max_s=0.5),
         )
 

@@ -381,7 +381,8 @@ class Learner:
         segs = [s for ep in data.split_for_rank(episodes, self.rank, self.world) for s in ep]
         scores = self._score(segs)
         targets = ESTIMATORS[self.lc.algorithm](episodes, segs, scores, self.lc)
-        weights, keeps = behavior_weights(segs, scores.prox, self.lc)
+        masks = [torch.from_numpy(s.action_mask.astype(bool)) for s in segs]
+        weights, keeps = behavior_weights(segs, scores.prox, masks, self.lc)
         (n_tokens,) = self._all_reduce([float(sum(s.num_action_tokens for s in segs))])
         mbs = data.micro_batches(segs, self.lc.micro_batch_tokens)
         step = Step(
@@ -389,7 +390,7 @@ class Learner:
             scores,
             targets,
             weights,
-            masks=[torch.from_numpy(s.action_mask.astype(bool)) for s in segs],
+            masks=masks,
             denominator=max(n_tokens, 1.0),
             clip=clip_epsilon(self.step, self.lc),
             micro_batches=mbs,
