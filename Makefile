@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) bench/broker.py
 	$(PY) bench/learner.py
 	$(PY) bench/engine.py
+	$(PY) bench/rollout.py
 
 clean:
 	rm -rf runs .pytest_cache

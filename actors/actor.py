@@ -1,8 +1,12 @@
-"""The actor process: take permits, play episodes in batches, stream segments, follow new weights.
+"""The actor process: take permits, keep many episodes in flight, stream segments, follow new weights.
 
-It never waits for the learner: permits are granted by the broker, weights are pulled when the
-broker announces a newer version (between turns, and every ``poll_every_tokens`` during a
-generation), and a broker restart is survived by reconnecting and saying HELLO again.
+Three parts, each with one job: ``Rollouts`` owns the episodes in flight and steps them on the
+engine (continuous batching: every episode at its own turn, a slot refilled the moment its
+episode ends), ``BrokerLink`` talks to the broker, and the loop here joins them. It never waits
+for the learner: permits are granted by the broker (asked for while slots are free), weights are
+pulled when the broker announces a newer version (checked every ``poll_every_tokens`` engine
+steps, so a swap can land in the middle of a turn), and a broker restart is survived by
+reconnecting and saying HELLO again.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ import zlib
 from collections.abc import Callable
 
 import structlog
+import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from actors.engines import SamplingParams, make_engine
+from actors.engines import make_engine
 from actors.envs import make_env
 from actors.episode import ChatFormat, Episode
 from actors.link import BrokerLink
+from actors.rollout import Rollouts
 from common.config import Config
 from common.log import bind_version
 from common.metrics import Health
@@ -46,6 +52,11 @@ M_VERSION = Gauge("asyncppo_actor_policy_version", "Policy version loaded in the
 M_HACKS = Counter(
     "asyncppo_actor_hacks_intercepted_total", "Tool calls intercepted by the reward-hacking guard."
 )
+M_INFLIGHT = Gauge("asyncppo_actor_episodes_in_flight", "Episodes being played right now.")
+M_KV_BYTES = Gauge(
+    "asyncppo_actor_kv_cache_bytes", "Bytes of KV cache held for the episodes in flight."
+)
+PERMIT_RETRY_S = 0.5  # while episodes are in flight, ask for free slots at most this often
 
 
 def actor_id(cfg: Config) -> str:
@@ -62,23 +73,35 @@ class Actor:
         self.health = health or Health()
         self.id = actor_id(cfg)
         self.link = BrokerLink(
-            cfg, self.id, self.health, lambda: (self.engine.version, [p["id"] for p in self.held])
+            cfg,
+            self.id,
+            self.health,
+            lambda: (self.engine.version, [ep.permit for ep in self.rollouts]),
         )
-        dtype = {} if cfg.actor.engine_dtype == "auto" else {"dtype": cfg.actor.engine_dtype}
-        self.engine = make_engine(
-            cfg.actor.engine, cfg.model.path, poll_every=cfg.actor.poll_every_tokens, **dtype
+        if cfg.actor.torch_threads:
+            torch.set_num_threads(cfg.actor.torch_threads)
+        options: dict = (
+            {} if cfg.actor.engine_dtype == "auto" else {"dtype": cfg.actor.engine_dtype}
+        )
+        if cfg.actor.engine == "torch":
+            options["on_swap"] = cfg.actor.kv_on_weight_swap
+        self.engine = make_engine(cfg.actor.engine, cfg.model.path, **options)
+        self.rollouts = Rollouts(
+            self.engine, temperature=cfg.actor.temperature, top_p=cfg.actor.top_p
         )
         self.fmt = ChatFormat(load_tokenizer(cfg.model.path))
         self.engine.version = -1  # the local checkpoint is not a published version: fetch one first
-        self.held: list[dict] = []
         self.episodes_started = 0
+        self.steps = 0
         self._last_poll = 0.0
+        self._next_permits = 0.0  # after a WAIT while busy: when to ask again
         log.info(
             "actor starting",
             actor_id=self.id,
             broker=cfg.actor.broker,
             engine=cfg.actor.engine,
             env=cfg.actor.env,
+            max_inflight_episodes=cfg.actor.max_inflight_episodes,
         )
 
     # ------------------------------------------------------------ broker calls
@@ -101,32 +124,39 @@ class Actor:
         )
 
     def _poll(self) -> None:
-        """Between turns and during generation: heartbeat (at least as often as WELCOME's
-        ``heartbeat_s`` asks, at most every 0.5 s), and swap to a newer version if there is one."""
+        """Heartbeat (at least as often as WELCOME's ``heartbeat_s`` asks, at most every 0.5 s),
+        and swap to a newer version if there is one, even in the middle of a turn."""
         now = time.monotonic()
         if now - self._last_poll < min(0.5, self.link.heartbeat_s):
             return
         self._last_poll = now
         self.link.call("HEARTBEAT", {"version": self.engine.version})
-        self.health.beat("generating")
         if self.link.latest > self.engine.version:
             self.sync_weights()
 
     def request_permits(self) -> list[dict]:
+        """Permits for the free slots, in whole groups. With nothing in flight the broker parks
+        the request until capacity frees; with episodes to play it answers at once."""
+        group = self.cfg.actor.group_size
+        free = self.cfg.actor.max_inflight_episodes - len(self.rollouts)
+        n = min(self.cfg.actor.permits_per_request, free - free % group)
+        busy = len(self.rollouts) > 0
+        if n < 1 or (busy and time.monotonic() < self._next_permits):
+            return []
         reply = self.link.call(
             "PERMITS_REQ",
-            {
-                "n": self.cfg.actor.permits_per_request,
-                "version": self.engine.version,
-                "group": self.cfg.actor.group_size,
-            },
+            {"n": n, "version": self.engine.version, "group": group, "wait": not busy},
         )
         if reply.kind == "PERMITS":
             return reply.header["permits"]
-        self.health.beat(f"permits ({reply.header['reason']})")
         if reply.header["reason"] == "stale_weights":
             self.sync_weights()
+        elif busy:
+            self._next_permits = time.monotonic() + max(
+                PERMIT_RETRY_S, reply.header["retry_after_s"]
+            )
         else:
+            self.health.beat(f"permits ({reply.header['reason']})")
             time.sleep(reply.header["retry_after_s"])
         return []
 
@@ -140,10 +170,9 @@ class Actor:
         return True
 
     # --------------------------------------------------------------- rollouts
-    def rollout(self, permits: list[dict]) -> None:
-        """Play one episode per permit as a batch; send each segment as soon as it is finished."""
+    def start(self, permits: list[dict]) -> None:
+        """One new episode per permit; the `group_size` episodes of a group share a seed."""
         group = self.cfg.actor.group_size
-        episodes = []
         for i, permit in enumerate(permits):
             if i % group == 0:
                 seed = zlib.crc32(
@@ -151,7 +180,7 @@ class Actor:
                 )
                 group_id = f"{self.id}.{self.episodes_started}" if group > 1 else None
             env = make_env(self.cfg.actor.env, **self.cfg.actor.env_kwargs)
-            episodes.append(
+            self.rollouts.add(
                 Episode(
                     env,
                     self.fmt,
@@ -164,32 +193,26 @@ class Actor:
                 )
             )
             self.episodes_started += 1
-        while active := [e for e in episodes if not e.done]:
-            env = active[0].env
-            params = SamplingParams(
-                max_new_tokens=env.max_new_tokens,
-                temperature=self.cfg.actor.temperature,
-                top_p=self.cfg.actor.top_p,
-                stop=list(env.stop),
-                stop_token_ids=self.fmt.stop_token_ids,
-            )
-            gens = self.engine.generate(
-                [e.context for e in active], params, poll_weights=self._poll
-            )
-            for ep, gen in zip(active, gens, strict=True):
-                M_TOKENS.inc(len(gen.token_ids))
-                if not all(self.send(seg) for seg in ep.step(gen)):
-                    ep.done = True
-                if ep.done:
-                    self._finish(ep)
-            self._poll()
+
+    def play(self) -> None:
+        """One engine step over every episode in flight; send the segments of finished turns."""
+        for turn in self.rollouts.step():
+            M_TOKENS.inc(len(turn.generation.token_ids))
+            episode = turn.episode
+            if not all(self.send(seg) for seg in turn.segments):
+                self.rollouts.drop(episode)
+                episode.done = True
+            if episode.done:
+                self._finish(episode)
+        self.steps += 1
+        M_INFLIGHT.set(len(self.rollouts))
+        M_KV_BYTES.set(self.engine.kv_cache_bytes())
 
     def _finish(self, ep: Episode) -> None:
         reward = sum(s.reward for s in ep.segments)
         M_EPISODES.inc()
         M_REWARD.observe(reward)
         M_HACKS.inc(int(ep.info.get("hacks_intercepted", 0)))
-        self.held = [p for p in self.held if p["id"] != ep.permit]
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         self.link.should_stop = should_stop
@@ -197,16 +220,19 @@ class Actor:
         self.health.ready = True
         try:
             while not should_stop():
-                self.health.beat("permits")
                 if self.link.latest > self.engine.version or self.engine.version < 0:
                     self.sync_weights()
                     if self.engine.version < 0:
+                        self.health.beat("waiting for weights")
                         time.sleep(0.2)
                         continue
-                permits = self.request_permits()
-                if permits:
-                    self.held = list(permits)
-                    self.rollout(permits)
+                self.start(self.request_permits())
+                if not self.rollouts:
+                    continue
+                self.health.beat("generating")
+                self.play()
+                if self.steps % self.cfg.actor.poll_every_tokens == 0:
+                    self._poll()
         finally:
             self.close()
 

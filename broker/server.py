@@ -288,6 +288,8 @@ class Broker:
             self.registry.report(client, msg.header["version"])
             self.parked_permits.pop(client, None)
             reply = self._on_permits_req(msg)
+            if reply is None and not msg.header.get("wait", True):
+                return self._wait(msg, "capacity", 0.0)  # the actor has episodes to play meanwhile
             if reply is None:
                 self.parked_permits[client] = (envelope, msg, now + self.cfg.permits_wait_s)
             return reply

@@ -127,8 +127,17 @@ class ActorConfig:
     )
     env: str = param("digits", "Environment name (see actors.envs.ENV_NAMES).")
     env_kwargs: dict = param({}, "Keyword arguments for the environment constructor.")
+    max_inflight_episodes: int = param(
+        32,
+        "Episodes played at once, each at its own turn, one engine step for all (continuous "
+        "batching); a slot is refilled as soon as its episode ends.",
+        minimum=1,
+    )
     permits_per_request: int = param(
-        4, "Episodes asked for at once; they are generated as one batch.", minimum=1
+        8,
+        "Most permits one PERMITS_REQ asks for (a multiple of group_size); the actor asks again "
+        "while slots are free.",
+        minimum=1,
     )
     group_size: int = param(
         1, "Episodes per prompt sharing a group_id (GRPO needs > 1).", minimum=1
@@ -147,7 +156,21 @@ class ActorConfig:
         "When the context passes this many tokens the environment compacts and a new segment starts.",
     )
     poll_every_tokens: int = param(
-        16, "Check for new weights every this many generated tokens (mid-generation swap)."
+        16,
+        "Heartbeat and check for new weights every this many engine steps (one token for every "
+        "episode in flight), at most every 0.5 s: weights may change in the middle of a turn.",
+        minimum=1,
+    )
+    torch_threads: int = param(
+        0,
+        "torch intra-op threads of the actor process; 0 keeps torch's default (one per core). "
+        "Set 1 when actors share cores with other roles: idle threads spin and steal them.",
+        minimum=0,
+    )
+    kv_on_weight_swap: Literal["reencode", "keep"] = param(
+        "reencode",
+        "torch engine, new weights mid-episode: reencode (drop the KV cache; every token's mu is "
+        "exactly its version's) or keep (old keys/values stay; mu mixes versions).",
     )
     seed: int = param(0, "Base seed for environments and sampling.")
 
@@ -354,7 +377,12 @@ def validate(cfg: Config) -> Config:
     if cfg.actor.permits_per_request % cfg.actor.group_size:
         raise ConfigError(
             f"config key 'actor.permits_per_request' ({cfg.actor.permits_per_request}) must be a multiple of "
-            f"actor.group_size ({cfg.actor.group_size}) so a group is generated together"
+            f"actor.group_size ({cfg.actor.group_size}) so a group is started together"
+        )
+    if cfg.actor.max_inflight_episodes < cfg.actor.group_size:
+        raise ConfigError(
+            f"config key 'actor.max_inflight_episodes' ({cfg.actor.max_inflight_episodes}) must be "
+            f">= actor.group_size ({cfg.actor.group_size}): a group is played together"
         )
     if cfg.learner.batch_size % cfg.actor.group_size:
         raise ConfigError(

@@ -73,7 +73,7 @@ _OPT_STR = (str, type(None))
 SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     # client -> broker
     "HELLO": {"role": (_STR, True), "id": (_STR, True), "version": (_INT, True)},
-    "PERMITS_REQ": {"n": (_INT, True), "version": (_INT, True)},
+    "PERMITS_REQ": {"n": (_INT, True), "version": (_INT, True), "wait": (_BOOL, False)},
     "TRAJ": {
         "permit": (_STR, True),
         "traj_id": (_STR, True),

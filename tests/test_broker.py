@@ -214,6 +214,24 @@ def test_a_permit_request_waits_for_capacity_and_is_answered_the_moment_it_frees
     assert learner.stats()["permits_in_use"] == 2
 
 
+def test_a_permit_request_with_wait_false_is_answered_at_once(start_broker):
+    """An actor with episodes in flight asks for free slots with wait=false: without capacity it
+    gets WAIT capacity on the spot (it has work meanwhile), not after permits_wait_s; a `wait`
+    that is not a bool is refused naming the field."""
+    wait_s = 5.0
+    broker, learner, holder, waiter = at_capacity(start_broker, wait_s)
+    asked = time.monotonic()
+    reply = waiter.request("PERMITS_REQ", {"n": 2, "version": 0, "wait": False})
+    assert reply.kind == "WAIT" and reply.header["reason"] == "capacity"
+    assert time.monotonic() - asked < wait_s / 2
+    with pytest.raises(TransportError) as exc:
+        waiter.request("PERMITS_REQ", {"n": 2, "version": 0, "wait": "no"})
+    assert exc.value.code == "bad_type" and "wait" in str(exc.value)
+    holder.request("BYE")  # capacity again: wait=false is granted like any request
+    reply = waiter.request("PERMITS_REQ", {"n": 2, "version": 0, "wait": False})
+    assert reply.kind == "PERMITS" and len(reply.header["permits"]) == 2
+
+
 def test_a_rejected_permit_request_changes_nothing(start_broker):
     """A malformed PERMITS_REQ neither records its version nor discards the actor's parked one."""
     broker, learner, holder, waiter = at_capacity(start_broker, 5.0)

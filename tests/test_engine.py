@@ -5,6 +5,7 @@ a wider tiny model (head_dim 64, which GPU attention kernels support) and determ
 inference so that seeds are honoured.
 """
 
+import dataclasses
 import importlib.util
 import math
 from collections.abc import Iterator
@@ -37,7 +38,7 @@ MODEL_SIZES = {
     "sglang": {"hidden_size": 256, "num_heads": 4},
 }
 ATOL = {"torch": 1e-4, "sglang": 2e-3}  # sglang's GPU kernels differ from the HF reference
-POLL_EVERY = 8
+SWAP_AFTER = 8  # engine steps before a mid-turn weight swap
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48], [100, 101, 102, 103, 104]]
 
 needs_gpu = pytest.mark.skipif(
@@ -62,9 +63,7 @@ def model_path(engine_name: str, tmp_path_factory: pytest.TempPathFactory) -> Pa
 @pytest.fixture(scope="module")
 def engine(engine_name: str, model_path: Path) -> Iterator[Engine]:
     torch.set_num_threads(1)
-    engine = make_engine(
-        engine_name, str(model_path), poll_every=POLL_EVERY, **ENGINE_OPTIONS[engine_name]
-    )
+    engine = make_engine(engine_name, str(model_path), **ENGINE_OPTIONS[engine_name])
     yield engine
     if hasattr(engine, "close"):
         engine.close()
@@ -209,33 +208,165 @@ def test_load_weights_switches_the_sampling_model(
         engine.load_weights(0, state_dict_for_export(reference))
 
 
-def test_mid_generation_swap_tags_tokens_with_both_versions(
-    engine: Engine, reference: torch.nn.Module
+def play_turns(
+    engine: Engine, contexts: dict[int, list[int]], turns: int, params: SamplingParams, seed: int
+) -> Iterator[tuple[int, list[int], Generation]]:
+    """Multi-turn episodes on the stepwise interface: key k starts at step k (so rows join at
+    different times), and after each turn its context grows by the turn and a made-up
+    observation. Yields (key, context of the turn, generation); the caller may swap weights or
+    rewrite a context (compaction) between yields."""
+    rng = np.random.default_rng(seed)
+    played = dict.fromkeys(contexts, 0)
+    step = 0
+    while any(n < turns for n in played.values()):
+        if step in contexts:
+            engine.submit(step, contexts[step], dataclasses.replace(params, seed=seed + step))
+        step += 1
+        for key, gen in engine.step():
+            yield key, contexts[key], gen
+            played[key] += 1
+            observation = rng.integers(5, 400, size=int(rng.integers(1, 20))).tolist()
+            contexts[key] = contexts[key] + gen.token_ids + observation
+            if played[key] < turns:
+                turn_seed = seed + 100 * played[key] + key
+                engine.submit(key, contexts[key], dataclasses.replace(params, seed=turn_seed))
+            else:
+                engine.release(key)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_multi_turn_logprobs_equal_a_full_forward_of_the_whole_context(
+    engine: Engine, engine_name: str, reference: torch.nn.Module, top_p: float
 ) -> None:
-    """The swap lands after POLL_EVERY tokens; later tokens carry version 1 and come from new weights.
+    """Turn after turn, with episodes joining at different steps: each turn's log-probs equal an
+    unpadded forward over everything the episode has seen, so a cache reused across turns (and
+    the holes between rows) changes nothing."""
+    if engine_name == "sglang" and top_p < 1:
+        pytest.skip("sglang refuses top_p < 1")
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, top_p=top_p)
+    contexts = {k: list(p) for k, p in enumerate(PROMPTS)}
+    seen = 0
+    for _, context, gen in play_turns(engine, contexts, turns=4, params=params, seed=20):
+        expected = reference_logprobs(reference, context, gen.token_ids, 0.8, top_p)
+        np.testing.assert_allclose(gen.logprobs, expected, atol=ATOL[engine_name])
+        assert gen.versions == [engine.version] * len(gen.token_ids)
+        seen += 1
+    assert seen == 4 * len(PROMPTS)
 
-    TorchEngine keeps the KV cache of the old weights, so post-swap log-probs match no single
-    model's full forward; they must be finite and differ from the old weights' values.
+
+def test_torch_engine_encodes_only_the_new_tokens_of_a_turn(
+    engine: Engine, engine_name: str
+) -> None:
+    """Prefix reuse: a later turn runs only its new tokens through the model."""
+    if engine_name != "torch":
+        pytest.skip("sglang's radix cache is internal")
+    params = SamplingParams(max_new_tokens=6)
+    contexts = {0: list(PROMPTS[1])}
+    encoded = []
+    for _, context, _gen in play_turns(engine, contexts, turns=3, params=params, seed=3):
+        encoded.append((engine.encoded_tokens, len(context)))
+    # between the ends of turns t and t+1 the engine encoded the new context tokens and the
+    # tokens fed while sampling: exactly the growth of the context, never the context again
+    (e1, c1), (e2, c2), (e3, c3) = encoded
+    assert e2 - e1 == c2 - c1 and e3 - e2 == c3 - c2
+
+
+@pytest.mark.parametrize("on_swap", ["reencode", "keep"])
+def test_mid_turn_swap_tags_tokens_with_the_version_that_sampled_them(
+    engine_name: str, model_path: Path, reference: torch.nn.Module, on_swap: str
+) -> None:
+    """The swap lands after SWAP_AFTER steps of a turn; later tokens carry version 1.
+
+    With "reencode" every token's log-prob is exactly its version's (the new weights re-encode
+    the context); with "keep" the old keys/values stay, so post-swap log-probs match no single
+    model's forward: finite, and different from both.
     """
-    calls = []
-
-    def poll_weights() -> None:
-        calls.append(len(calls))
-        if len(calls) == 1:
-            engine.load_weights(1, perturbed(reference, seed=1))
-
+    if engine_name != "torch":
+        pytest.skip("sglang swaps weights between turns only")
+    engine = make_engine("torch", str(model_path), on_swap=on_swap)
+    new_model = load_causal_lm(model_path)
+    load_exported_state_dict(new_model, perturbed(reference, seed=1))
     params = SamplingParams(max_new_tokens=20, seed=7)
-    try:
-        generations = engine.generate(PROMPTS, params, poll_weights=poll_weights)
-    finally:
-        engine.load_weights(0, state_dict_for_export(reference))
-    assert len(calls) == 2  # after tokens 8 and 16
-    for prompt, gen in zip(PROMPTS, generations, strict=True):
-        assert gen.versions == [0] * POLL_EVERY + [1] * (20 - POLL_EVERY)
-        assert np.isfinite(gen.logprobs).all()
+    for row, prompt in enumerate(PROMPTS):
+        engine.submit(row, prompt, dataclasses.replace(params, seed=7 + row))
+    done: dict[int, Generation] = {}
+    for step in range(20):
+        if step == SWAP_AFTER:
+            engine.load_weights(1, state_dict_for_export(new_model))
+        done.update(engine.step())
+    for row, prompt in enumerate(PROMPTS):
+        gen = done[row]
+        assert gen.versions == [0] * SWAP_AFTER + [1] * (20 - SWAP_AFTER)
         old = reference_logprobs(reference, prompt, gen.token_ids, 1.0, 1.0)
-        np.testing.assert_allclose(gen.logprobs[:POLL_EVERY], old[:POLL_EVERY], atol=1e-3)
-        assert np.abs(np.array(gen.logprobs[POLL_EVERY:]) - old[POLL_EVERY:]).min() > 1e-3
+        new = reference_logprobs(new_model.eval(), prompt, gen.token_ids, 1.0, 1.0)
+        np.testing.assert_allclose(gen.logprobs[:SWAP_AFTER], old[:SWAP_AFTER], atol=1e-4)
+        after = np.array(gen.logprobs[SWAP_AFTER:])
+        if on_swap == "reencode":
+            np.testing.assert_allclose(after, new[SWAP_AFTER:], atol=1e-4)
+        else:
+            assert np.isfinite(after).all()
+            assert np.abs(after - old[SWAP_AFTER:]).min() > 1e-3
+            assert np.abs(after - new[SWAP_AFTER:]).max() > 1e-3
+
+
+def run_turn(engine: Engine, key: str, context: list[int], params: SamplingParams) -> Generation:
+    engine.submit(key, context, params)
+    while True:
+        for done, gen in engine.step():
+            if done == key:
+                return gen
+
+
+def test_a_context_that_does_not_extend_the_cache_starts_afresh(
+    engine: Engine, engine_name: str, reference: torch.nn.Module
+) -> None:
+    """Compaction: the next turn's context is a summary, not the old context plus more. The
+    engine must not reuse the old keys/values (log-probs equal a forward of the summary alone)."""
+    params = SamplingParams(max_new_tokens=6, seed=4)
+    first = run_turn(engine, "compacted", list(PROMPTS[1]), params)
+    assert len(first.token_ids) == 6
+    summary = [200, 201, 202, 203]
+    gen = run_turn(engine, "compacted", summary, params)
+    engine.release("compacted")
+    expected = reference_logprobs(reference, summary, gen.token_ids, 1.0, 1.0)
+    np.testing.assert_allclose(gen.logprobs, expected, atol=ATOL[engine_name])
+
+
+def test_torch_engine_reuses_slots_and_bounds_its_cache(
+    model_path: Path, engine_name: str, reference: torch.nn.Module
+) -> None:
+    """Episodes that end free their slot for the next key, and the KV buffer (grown by
+    doubling) holds fewer than 2 x episodes in flight slots of fewer than 2 x (longest context
+    + 1) columns: later waves of episodes do not grow it, and a reused slot's old keys/values
+    never leak into the new episode."""
+    if engine_name != "torch":
+        pytest.skip("torch engine internals")
+    engine = make_engine("torch", str(model_path))
+    params = SamplingParams(max_new_tokens=5, temperature=0.9)
+    longest = 0
+    for wave in range(3):  # three generations of episodes through the same slots
+        contexts = {k: list(p) + [wave + 1] for k, p in enumerate(PROMPTS)}
+        for _, context, gen in play_turns(engine, contexts, turns=3, params=params, seed=wave):
+            expected = reference_logprobs(reference, context, gen.token_ids, 0.9, 1.0)
+            np.testing.assert_allclose(gen.logprobs, expected, atol=1e-4)
+            longest = max(longest, len(context) + len(gen.token_ids))
+        assert not engine.by_key and not engine.slots  # every key released: every slot free
+    slots, heads, columns, dim = engine.buffers[0][0].shape
+    assert len(PROMPTS) <= slots < 2 * len(PROMPTS)  # grown by doubling
+    assert columns <= 2 * (longest + 1)  # grown by doubling, to the longest context seen
+    per_column = 2 * len(engine.buffers) * heads * dim * engine.buffers[0][0].element_size()
+    assert engine.kv_cache_bytes() == slots * columns * per_column
+
+
+def test_submitting_a_busy_key_is_refused(engine: Engine) -> None:
+    engine.submit("busy", [5, 6, 7], SamplingParams(max_new_tokens=4))
+    try:
+        with pytest.raises(ValueError, match="already has a turn in progress"):
+            engine.submit("busy", [5, 6, 7], SamplingParams(max_new_tokens=4))
+        with pytest.raises(ValueError, match=r"context has token ids outside"):
+            engine.submit("other", [1, 10**6], SamplingParams())
+    finally:
+        engine.release("busy")
 
 
 def test_bad_requests_are_refused(engine: Engine) -> None:
@@ -267,6 +398,8 @@ def test_torch_engine_refuses_prompts_past_the_context(tmp_path: Path) -> None:
     engine = make_engine("torch", str(build_tiny_model(tmp_path / "tiny")))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         engine.generate([[5] * 1000], SamplingParams(max_new_tokens=30))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.submit("long", [5] * 1000, SamplingParams(max_new_tokens=30))
 
 
 def test_unknown_engine_lists_the_known_ones(tmp_path: Path) -> None:

@@ -208,8 +208,10 @@ def wrong_type(rng: random.Random, frames: list) -> list:
 
 
 def missing_field(rng: random.Random, frames: list) -> list:
-    head = head_of(frames)
-    del head[rng.choice(sorted(SCHEMAS[head["kind"]]))]
+    head = head_of(frames)  # only a required field's absence breaks the message
+    del head[
+        rng.choice(sorted(n for n, (_, required) in SCHEMAS[head["kind"]].items() if required))
+    ]
     return [msgpack.packb(head, use_bin_type=True), *frames[1:]]
 
 

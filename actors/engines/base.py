@@ -1,4 +1,10 @@
-"""What every inference engine shares: sampling parameters in, generations out, the Engine protocol.
+"""What every inference engine shares: sampling parameters in, generations out, the Engine interface.
+
+Engines are stepwise, so that an actor can keep many episodes in flight, each at its own turn
+(continuous batching): ``submit`` a turn under a key (the episode), call ``step`` until that key's
+turn comes back finished, ``submit`` the next turn's context under the same key (an engine may
+keep the key's KV cache and encode only the new tokens), and ``release`` the key when the episode
+ends. ``generate`` runs a batch of one-turn requests to completion on top of these.
 
 Every engine returns, per sampled token, the log-probability under the distribution it was
 actually sampled from (softmax(logits / T), restricted to the top-p nucleus and renormalised),
@@ -9,9 +15,10 @@ travel with the tokens to the learner, which scores with them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+import secrets
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -56,18 +63,47 @@ class Generation:
     top_p: float
 
 
-class Engine(Protocol):
+class Engine(ABC):
+    """A turn is submitted under a key; ``step`` advances every submitted turn and returns those
+    that finished. Weights may be swapped between steps; each token carries the version of the
+    weights whose forward produced its distribution."""
+
     version: int
+    vocab_size: int
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        *,
-        poll_weights: Callable[[], None] | None = None,
-    ) -> list[Generation]: ...
+    @abstractmethod
+    def submit(self, key: Hashable, context: list[int], params: SamplingParams) -> None:
+        """Start a turn: sample a continuation of `context` (the whole context so far)."""
 
+    @abstractmethod
+    def step(self) -> list[tuple[Hashable, Generation]]:
+        """Advance every submitted turn; return the turns that finished, with their keys."""
+
+    @abstractmethod
+    def release(self, key: Hashable) -> None:
+        """Forget `key` and what the engine keeps for it (its KV cache); unknown keys are ignored."""
+
+    @abstractmethod
     def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV cache this process holds for keys in flight (0: none, or kept elsewhere)."""
+        return 0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """One turn for each prompt, run to completion as one batch; row i samples with seed + i,
+        so a row's tokens do not depend on what else is in the batch."""
+        check_prompts(prompts, self.vocab_size)
+        base_seed = secrets.randbits(62) if params.seed is None else params.seed
+        keys = [(object(), row) for row in range(len(prompts))]  # never equal to a caller's key
+        for key, prompt in zip(keys, prompts, strict=True):
+            self.submit(key, prompt, replace(params, seed=base_seed + key[1]))
+        done: dict[Hashable, Generation] = {}
+        while len(done) < len(keys):
+            for key, gen in self.step():
+                done[key] = gen
+                self.release(key)
+        return [done[key] for key in keys]
 
 
 def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
@@ -75,10 +111,15 @@ def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
     if not isinstance(prompts, list) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     for i, prompt in enumerate(prompts):
-        if not isinstance(prompt, list) or not prompt:
-            raise ValueError(f"prompts[{i}] must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
-            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size})")
+        check_tokens(prompt, vocab_size, f"prompts[{i}]")
+
+
+def check_tokens(tokens: list[int], vocab_size: int, where: str) -> None:
+    """Reject an empty context and token ids outside the vocabulary; `where` names the input."""
+    if not isinstance(tokens, list) or not tokens:
+        raise ValueError(f"{where} must be a non-empty list of token ids")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in tokens):
+        raise ValueError(f"{where} has token ids outside [0, {vocab_size})")
 
 
 def completes_stop(
