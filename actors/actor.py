@@ -56,6 +56,11 @@ M_INFLIGHT = Gauge("asyncppo_actor_episodes_in_flight", "Episodes being played r
 M_KV_BYTES = Gauge(
     "asyncppo_actor_kv_cache_bytes", "Bytes of KV cache held for the episodes in flight."
 )
+M_ENV_ERRORS = Counter(
+    "asyncppo_actor_env_errors_total",
+    "Episodes abandoned because the environment raised or returned bad output.",
+    ["during"],
+)
 PERMIT_RETRY_S = 0.5  # while episodes are in flight, ask for free slots at most this often
 
 
@@ -173,16 +178,17 @@ class Actor:
     def start(self, permits: list[dict]) -> None:
         """One new episode per permit; the `group_size` episodes of a group share a seed."""
         group = self.cfg.actor.group_size
+        failed = False
         for i, permit in enumerate(permits):
             if i % group == 0:
                 seed = zlib.crc32(
                     f"{self.cfg.actor.seed}/{self.id}/{self.episodes_started}".encode()
                 )
                 group_id = f"{self.id}.{self.episodes_started}" if group > 1 else None
-            env = make_env(self.cfg.actor.env, **self.cfg.actor.env_kwargs)
-            self.rollouts.add(
-                Episode(
-                    env,
+            self.episodes_started += 1
+            try:
+                episode = Episode(
+                    make_env(self.cfg.actor.env, **self.cfg.actor.env_kwargs),
                     self.fmt,
                     seed=seed,
                     permit=permit["id"],
@@ -191,22 +197,44 @@ class Actor:
                     max_turns=self.cfg.actor.max_turns,
                     context_budget=self.cfg.actor.context_budget_tokens,
                 )
-            )
-            self.episodes_started += 1
+            except Exception as exc:  # the environment's code: its episode is abandoned
+                self._env_failed(permit["id"], "reset", exc)
+                failed = True
+                continue
+            self.rollouts.add(episode)
+        if failed:
+            self.link.hello()  # HELLO names the permits still played: the broker frees the rest
 
     def play(self) -> None:
         """One engine step over every episode in flight; send the segments of finished turns."""
+        failed = False
         for turn in self.rollouts.step():
             M_TOKENS.inc(len(turn.generation.token_ids))
             episode = turn.episode
+            if turn.error is not None:
+                self._env_failed(episode.permit, "step", turn.error)
+                failed = True
+                continue
             if not all(self.send(seg) for seg in turn.segments):
                 self.rollouts.drop(episode)
                 episode.done = True
             if episode.done:
                 self._finish(episode)
+        if failed:
+            self.link.hello()  # frees the abandoned permits; the broker drops what they sent
         self.steps += 1
         M_INFLIGHT.set(len(self.rollouts))
         M_KV_BYTES.set(self.engine.kv_cache_bytes())
+
+    def _env_failed(self, permit: str, during: str, error: object) -> None:
+        M_ENV_ERRORS.labels(during=during).inc()
+        log.warning(
+            "environment failed; episode abandoned",
+            env=self.cfg.actor.env,
+            during=during,
+            permit=permit,
+            error=str(error),
+        )
 
     def _finish(self, ep: Episode) -> None:
         reward = sum(s.reward for s in ep.segments)

@@ -9,6 +9,7 @@ new segment starts from the compacted observation.
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,38 @@ class ChatFormat:
         return self._ids(text)
 
 
+def checked_text(env_name: str, method: str, value: object) -> str:
+    """An environment's observation must be text: say which environment and call returned what."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"environment {env_name!r}: {method} returned {type(value).__name__}, expected str"
+        )
+    return value
+
+
+def checked_step(env_name: str, result: object) -> StepResult:
+    """Refuse a step result the segment could not be built from, naming the environment."""
+    if not isinstance(result, StepResult):
+        raise TypeError(
+            f"environment {env_name!r}: step returned {type(result).__name__}, expected StepResult"
+        )
+    checked_text(env_name, "step (observation)", result.observation)
+    reward = result.reward
+    if (
+        isinstance(reward, bool)
+        or not isinstance(reward, (int, float))
+        or not math.isfinite(reward)
+    ):
+        raise ValueError(
+            f"environment {env_name!r}: step returned reward {reward!r}, expected a finite number"
+        )
+    if not isinstance(result.info, dict):
+        raise TypeError(
+            f"environment {env_name!r}: step returned info {type(result.info).__name__}, expected dict"
+        )
+    return result
+
+
 @dataclass
 class SegmentBuilder:
     tokens: list[int] = field(default_factory=list)
@@ -130,7 +163,7 @@ class Episode:
         self.done = False
         self.info: dict[str, Any] = {}
         self.current = SegmentBuilder()
-        self.current.observe(fmt.prompt(env.reset(seed)))
+        self.current.observe(fmt.prompt(checked_text(env.name, "reset", env.reset(seed))))
 
     @property
     def context(self) -> list[int]:
@@ -139,7 +172,7 @@ class Episode:
     def step(self, gen: Generation) -> list[Segment]:
         """Apply one sampled action; returns segments that are now finished (to be sent)."""
         text = self.fmt.tok.decode(gen.token_ids, skip_special_tokens=True)
-        result: StepResult = self.env.step(text)
+        result = checked_step(self.env.name, self.env.step(text))
         self.turns += 1
         self.info = dict(result.info)
         truncated = result.truncated or (self.turns >= self.max_turns and not result.terminated)
@@ -152,7 +185,8 @@ class Episode:
             finished = self._close(terminated=False, truncated=True, last=False)
             self.compactions += 1
             self.current = SegmentBuilder()
-            self.current.observe(self.fmt.prompt(self.env.compact()))
+            summary = checked_text(self.env.name, "compact", self.env.compact())
+            self.current.observe(self.fmt.prompt(summary))
             return [finished]
         self.current.observe(obs_ids)
         return []

@@ -18,11 +18,13 @@ from common.trajectory import Segment
 
 @dataclass
 class Turn:
-    """One finished turn: the episode it belongs to, what was sampled, the segments it closed."""
+    """One finished turn: the episode it belongs to, what was sampled, the segments it closed,
+    and the error when the environment failed on it (the episode is then abandoned)."""
 
     episode: Episode
     generation: Generation
     segments: list[Segment]
+    error: str | None = None
 
 
 class Rollouts:
@@ -75,7 +77,12 @@ class Rollouts:
         turns = []
         for key, gen in self.engine.step():
             episode = self.episodes[key]
-            segments = episode.step(gen)
+            try:
+                segments = episode.step(gen)
+            except Exception as exc:  # the environment's code or output: not the actor's to die of
+                self.drop(episode)
+                turns.append(Turn(episode, gen, [], f"{type(exc).__name__}: {exc}"))
+                continue
             if episode.done:
                 self.drop(episode)
             else:

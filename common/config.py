@@ -125,8 +125,12 @@ class ActorConfig:
         "auto",
         "Engine weight dtype: auto (the engine's default: torch float32, sglang bfloat16), float32 or bfloat16.",
     )
-    env: str = param("digits", "Environment name (see actors.envs.ENV_NAMES).")
-    env_kwargs: dict = param({}, "Keyword arguments for the environment constructor.")
+    env: str = param(
+        "digits",
+        "Environment: a built-in name (actors.envs.ENV_NAMES) or an import path "
+        "'package.module:factory' to your own (README: Bring your own environment).",
+    )
+    env_kwargs: dict = param({}, "Keyword arguments for the environment factory.")
     max_inflight_episodes: int = param(
         32,
         "Episodes played at once, each at its own turn, one engine step for all (continuous "

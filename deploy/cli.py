@@ -159,6 +159,14 @@ def main(argv: list[str] | None = None) -> int:
             end="",
         )
         return 0
+    if args.command in ("up", "actor"):
+        from actors.envs import make_env
+
+        try:  # before any process starts: a bad actor.env is a config error, named
+            make_env(cfg.actor.env, **cfg.actor.env_kwargs)
+        except (ValueError, TypeError) as exc:
+            print(f"asyncppo {args.command}: actor.env: {exc}", file=sys.stderr)
+            return 2
     Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
     if args.command == "up":
         from deploy.launcher import launch

@@ -1,8 +1,16 @@
-"""Built-in environments and the registry actors build them from by name."""
+"""Environments: the built-in ones by name, and anyone's by import path.
+
+``actor.env`` is either a registered name (``digits``, ``maze``, ...) or an import path
+``package.module:factory`` to any callable that takes ``actor.env_kwargs`` and returns an object
+meeting the ``Environment`` protocol (``actors/envs/base.py``): bring your own task without
+touching this package.
+"""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import operator
 from collections.abc import Callable
 
 from actors.envs.arith import ArithEnv
@@ -18,21 +26,82 @@ _REGISTRY: dict[str, Callable[..., Environment]] = {
     "arith": ArithEnv,
 }
 ENV_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+MEMBERS = ("name", "max_new_tokens", "stop", "reset", "step", "compact")
+
+
+def env_factory(name: str) -> Callable[..., Environment]:
+    """The registered factory called `name`, or the callable at import path 'module:attribute'."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"environment must be a name or 'package.module:factory', got {name!r}")
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    module_name, colon, attribute = name.partition(":")
+    if not colon or not module_name or not attribute:
+        raise ValueError(
+            f"unknown environment {name!r}; known: {', '.join(ENV_NAMES)}, or an import path "
+            "'package.module:factory'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or whatever the module raises while it loads
+        raise ValueError(
+            f"environment {name!r}: cannot import module {module_name!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    try:
+        factory = operator.attrgetter(attribute)(module)
+    except AttributeError:
+        raise ValueError(
+            f"environment {name!r}: module {module_name!r} has no attribute {attribute!r}"
+        ) from None
+    if not callable(factory):
+        raise ValueError(f"environment {name!r}: {attribute!r} is not callable")
+    return factory
+
+
+def check_environment(env: object, name: str) -> Environment:
+    """Refuse an object that does not meet the Environment protocol, naming what it lacks."""
+    what = f"environment {name!r} (a {type(env).__name__})"
+    missing = [member for member in MEMBERS if not hasattr(env, member)]
+    if missing:
+        raise TypeError(
+            f"{what} does not meet the Environment protocol (actors/envs/base.py): missing "
+            f"{', '.join(missing)}"
+        )
+    problems = [
+        f"{member} is not callable"
+        for member in ("reset", "step", "compact")
+        if not callable(getattr(env, member))
+    ]
+    if not isinstance(env.name, str) or not env.name:
+        problems.append(f"name must be a non-empty str, got {env.name!r}")
+    tokens = env.max_new_tokens
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        problems.append(f"max_new_tokens must be an int >= 1, got {tokens!r}")
+    if not isinstance(env.stop, list) or not all(isinstance(s, str) and s for s in env.stop):
+        problems.append(f"stop must be a list of non-empty str, got {env.stop!r}")
+    if problems:
+        raise TypeError(f"{what} does not meet the Environment protocol: {'; '.join(problems)}")
+    return env
 
 
 def make_env(name: str, **kwargs: object) -> Environment:
-    """Build a registered environment; names and keyword arguments are checked up front."""
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"unknown environment {name!r}; known: {', '.join(ENV_NAMES)}")
-    factory = _REGISTRY[name]
-    accepted = list(inspect.signature(factory).parameters)
-    unknown = sorted(set(kwargs) - set(accepted))
-    if unknown:
-        raise TypeError(
-            f"make_env({name!r}): unknown argument(s) {', '.join(unknown)}; "
-            f"accepted: {', '.join(accepted) or 'none'}"
-        )
-    return factory(**kwargs)
+    """Build an environment by name or import path; arguments and the result are checked."""
+    factory = env_factory(name)
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # some builtins have no signature: let the call decide
+        parameters = None
+    if parameters is not None and not any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    ):
+        unknown = sorted(set(kwargs) - set(parameters))
+        if unknown:
+            raise TypeError(
+                f"make_env({name!r}): unknown argument(s) {', '.join(unknown)}; "
+                f"accepted: {', '.join(parameters) or 'none'}"
+            )
+    return check_environment(factory(**kwargs), name)
 
 
-__all__ = ["ENV_NAMES", "Environment", "StepResult", "make_env"]
+__all__ = ["ENV_NAMES", "Environment", "StepResult", "check_environment", "make_env"]
