@@ -16,11 +16,13 @@ import socket
 import time
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 
 import structlog
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
+from actors.agent import AgentServer, AgentSessions
 from actors.engines import make_engine
 from actors.envs import make_env
 from actors.episode import ChatFormat, Episode
@@ -81,7 +83,7 @@ class Actor:
             cfg,
             self.id,
             self.health,
-            lambda: (self.engine.version, [ep.permit for ep in self.rollouts]),
+            lambda: (self.engine.version, self.held_permits()),
         )
         if cfg.actor.torch_threads:
             torch.set_num_threads(cfg.actor.torch_threads)
@@ -95,6 +97,25 @@ class Actor:
             self.engine, temperature=cfg.actor.temperature, top_p=cfg.actor.top_p
         )
         self.fmt = ChatFormat(load_tokenizer(cfg.model.path))
+        self.agent: AgentSessions | None = None
+        self.server: AgentServer | None = None
+        if cfg.actor.mode == "agent":
+            self.agent = AgentSessions(
+                self.engine,
+                self.fmt,
+                model=cfg.actor.agent_model or Path(cfg.model.path).name,
+                actor_id=self.id,
+                temperature=cfg.actor.temperature,
+                max_tokens=cfg.actor.agent_max_tokens,
+                session_timeout_s=cfg.actor.agent_session_timeout_s,
+                request_timeout_s=cfg.actor.agent_request_timeout_s,
+                take_permit=self._take_permit,
+                send=self.send,
+                release=self.link.hello,
+                base_url=lambda session: f"{self.server.address}/sessions/{session}/v1",
+            )
+            self.server = AgentServer(self.agent, cfg.actor.agent_host, cfg.actor.agent_port)
+            log.info("agent API serving", address=self.server.address, model=self.agent.model)
         self.engine.version = -1  # the local checkpoint is not a published version: fetch one first
         self.episodes_started = 0
         self.steps = 0
@@ -164,6 +185,26 @@ class Actor:
             self.health.beat(f"permits ({reply.header['reason']})")
             time.sleep(reply.header["retry_after_s"])
         return []
+
+    def held_permits(self) -> list[str]:
+        """What HELLO reports: the permits of the episodes and agent sessions in flight."""
+        held = [ep.permit for ep in self.rollouts]
+        return held + (self.agent.permits if self.agent is not None else [])
+
+    def _take_permit(self) -> dict | None:
+        """One permit for an agent session, without blocking the sessions already running."""
+        if time.monotonic() < self._next_permits or self.engine.version < 0:
+            return None
+        reply = self.link.call(
+            "PERMITS_REQ", {"n": 1, "version": self.engine.version, "group": 1, "wait": False}
+        )
+        if reply.kind == "PERMITS":
+            return reply.header["permits"][0]
+        if reply.header["reason"] == "stale_weights":
+            self.sync_weights()
+        else:
+            self._next_permits = time.monotonic() + max(0.2, reply.header["retry_after_s"])
+        return None
 
     def send(self, seg: Segment) -> bool:
         """Stream one segment; False when the broker will never take this episode (stop playing it)."""
@@ -242,12 +283,33 @@ class Actor:
         M_REWARD.observe(reward)
         M_HACKS.inc(int(ep.info.get("hacks_intercepted", 0)))
 
+    def serve(self) -> None:
+        """Agent mode, one turn of the loop: answer API calls, then one engine step if any
+        completion is being generated (else wait briefly for calls)."""
+        self.agent.handle(wait_s=0.0 if self.agent.busy() else 0.05)
+        if self.agent.busy():
+            self.health.beat("generating")
+            for key, gen in self.engine.step():
+                M_TOKENS.inc(len(gen.token_ids))
+                self.agent.finished(key, gen)
+            self.steps += 1
+        else:
+            self.health.beat("serving")
+        M_INFLIGHT.set(len(self.agent.sessions))
+        M_KV_BYTES.set(self.engine.kv_cache_bytes())
+
     def run(self, should_stop: Callable[[], bool]) -> None:
         self.link.should_stop = should_stop
         self.link.register()
         self.health.ready = True
         try:
             while not should_stop():
+                if self.agent is not None:
+                    if self.link.latest > self.engine.version:
+                        self.sync_weights()
+                    self.serve()
+                    self._poll()
+                    continue
                 if self.link.latest > self.engine.version or self.engine.version < 0:
                     self.sync_weights()
                     if self.engine.version < 0:
@@ -265,5 +327,7 @@ class Actor:
             self.close()
 
     def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
         self.link.close()
         log.info("actor stopped", actor_id=self.id, episodes=self.episodes_started)

@@ -55,17 +55,20 @@ class ChatFormat:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def prompt(self, observation: str) -> list[int]:
-        return self._ids(
-            self._render([{"role": "user", "content": observation}], generation_prompt=True)
-        )
+        return self.conversation([{"role": "user", "content": observation}])
 
     def turn(self, observation: str, action_ids: list[int]) -> list[int]:
-        messages = [
-            {"role": "user", "content": "x"},
-            {"role": "assistant", "content": MARK},
-            {"role": "user", "content": observation},
-        ]
-        text = self._render(messages, generation_prompt=True)
+        return self.continuation([{"role": "user", "content": observation}], action_ids)
+
+    def conversation(self, messages: list[dict]) -> list[int]:
+        """A whole conversation up to the assistant's turn."""
+        return self._ids(self._render(messages, generation_prompt=True))
+
+    def continuation(self, messages: list[dict], action_ids: list[int]) -> list[int]:
+        """What follows an assistant action that sampled `action_ids`: its end-of-turn marker
+        (unless the engine sampled it), `messages`, and the next generation prompt."""
+        stub = [{"role": "user", "content": "x"}, {"role": "assistant", "content": MARK}]
+        text = self._render(stub + messages, generation_prompt=True)
         text = text[text.index(MARK) + len(MARK) :]
         if action_ids and action_ids[-1] in self.stop_token_ids:
             stop_text = self.tok.decode([action_ids[-1]], skip_special_tokens=False)
@@ -137,6 +140,44 @@ class SegmentBuilder:
         self.rewards += [0.0] * (len(gen.token_ids) - 1) + [reward]
         self.turns += 1
 
+    def segment(
+        self,
+        *,
+        episode_id: str,
+        index: int,
+        actor_id: str,
+        task: str,
+        group_id: str | None,
+        permit: str,
+        last: bool,
+        terminated: bool,
+        truncated: bool,
+        metrics: dict,
+    ) -> Segment:
+        """The validated wire segment of what was built (the `index`-th of its episode)."""
+        seg = Segment(
+            traj_id=f"{episode_id}.{index}",
+            episode_id=episode_id,
+            segment=index,
+            actor_id=actor_id,
+            task=task,
+            group_id=group_id,
+            permit=permit,
+            last=last,
+            terminated=terminated,
+            truncated=truncated,
+            temperature=self.sampling[0],
+            top_p=self.sampling[1],
+            tokens=np.asarray(self.tokens, dtype="<i4"),
+            action_mask=np.asarray(self.mask, dtype="|u1"),
+            behavior_logprobs=np.asarray(self.logprobs, dtype="<f4"),
+            versions=np.asarray(self.versions, dtype="<i4"),
+            rewards=np.asarray(self.rewards, dtype="<f4"),
+            metrics=metrics,
+        )
+        seg.validate()
+        return seg
+
 
 class Episode:
     """One environment episode played by the policy; emits finished segments as it goes."""
@@ -192,13 +233,13 @@ class Episode:
         return []
 
     def _close(self, *, terminated: bool, truncated: bool, last: bool) -> Segment:
-        b = self.current
         metrics = {k: v for k, v in self.info.items() if isinstance(v, (int, float, str, bool))}
-        metrics.update(turns=self.turns, segment_turns=b.turns, compactions=self.compactions)
-        seg = Segment(
-            traj_id=f"{self.episode_id}.{len(self.segments)}",
+        metrics.update(
+            turns=self.turns, segment_turns=self.current.turns, compactions=self.compactions
+        )
+        seg = self.current.segment(
             episode_id=self.episode_id,
-            segment=len(self.segments),
+            index=len(self.segments),
             actor_id=self.actor_id,
             task=self.env.name,
             group_id=self.group_id,
@@ -206,15 +247,7 @@ class Episode:
             last=last,
             terminated=terminated,
             truncated=truncated,
-            temperature=b.sampling[0],
-            top_p=b.sampling[1],
-            tokens=np.asarray(b.tokens, dtype="<i4"),
-            action_mask=np.asarray(b.mask, dtype="|u1"),
-            behavior_logprobs=np.asarray(b.logprobs, dtype="<f4"),
-            versions=np.asarray(b.versions, dtype="<i4"),
-            rewards=np.asarray(b.rewards, dtype="<f4"),
             metrics=metrics,
         )
-        seg.validate()
         self.segments.append(seg)
         return seg

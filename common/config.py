@@ -125,6 +125,29 @@ class ActorConfig:
         "auto",
         "Engine weight dtype: auto (the engine's default: torch float32, sglang bfloat16), float32 or bfloat16.",
     )
+    mode: Literal["env", "agent"] = param(
+        "env",
+        "env: play actor.env episodes. agent: serve an OpenAI-compatible API whose sessions are "
+        "the episodes (README: Bring your own agent).",
+    )
+    agent_host: str = param("127.0.0.1", "Agent mode: address the API binds.")
+    agent_port: int = param(
+        8000, "Agent mode: port of the API (0: any free port, logged).", minimum=0
+    )
+    agent_model: str | None = param(
+        None, "Agent mode: the model name clients must ask for; default the model directory's name."
+    )
+    agent_max_tokens: int = param(
+        256, "Agent mode: most tokens one completion may generate.", minimum=1
+    )
+    agent_session_timeout_s: float = param(
+        600.0, "Agent mode: a session older than this is abandoned (its permit freed).", above=0
+    )
+    agent_request_timeout_s: float = param(
+        120.0,
+        "Agent mode: how long a request may wait (for a permit, or its completion).",
+        above=0,
+    )
     env: str = param(
         "digits",
         "Environment: a built-in name (actors.envs.ENV_NAMES) or an import path "
