@@ -162,13 +162,14 @@ class AgentSessions:
         self.calls: queue.Queue[Call] = queue.Queue()
         self.sessions: dict[str, Session] = {}
         self.starting: list[Call] = []  # session starts waiting for a permit
+        self.plain: dict[str, Call] = {}  # plain completions being generated
 
     @property
     def permits(self) -> list[str]:
         return [s.permit for s in self.sessions.values()]
 
     def busy(self) -> bool:
-        return any(s.waiting is not None for s in self.sessions.values())
+        return bool(self.plain) or any(s.waiting is not None for s in self.sessions.values())
 
     # ------------------------------------------------------------ the loop's side
     def handle(self, wait_s: float) -> None:
@@ -194,7 +195,12 @@ class AgentSessions:
         self._expire()
 
     def finished(self, key: str, gen: Generation) -> None:
-        """A completion the engine finished: record it, answer its call."""
+        """A completion the engine finished: record it (sessions), answer its call."""
+        if key in self.plain:
+            self.engine.release(key)
+            text = self.fmt.tok.decode(gen.token_ids, skip_special_tokens=True)
+            self.plain.pop(key).answer(self._completion(text, gen, prompt=-1))
+            return
         session = self.sessions.get(key)
         if session is None or session.waiting is None:
             return
@@ -205,27 +211,29 @@ class AgentSessions:
         text = self.fmt.tok.decode(gen.token_ids, skip_special_tokens=True)
         session.history = [*session.asked, ("assistant", text)]
         prompt = len(session.segment.tokens) - len(gen.token_ids)
-        call.answer(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": self.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "finish_reason": gen.finish_reason,
-                        "logprobs": None,
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": prompt,
-                    "completion_tokens": len(gen.token_ids),
-                    "total_tokens": prompt + len(gen.token_ids),
-                },
-            }
-        )
+        call.answer(self._completion(text, gen, prompt))
+
+    def _completion(self, text: str, gen: Generation, prompt: int) -> dict:
+        """An OpenAI chat.completion object (`prompt` tokens: -1 when not counted)."""
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": gen.finish_reason,
+                    "logprobs": None,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": max(prompt, 0),
+                "completion_tokens": len(gen.token_ids),
+                "total_tokens": max(prompt, 0) + len(gen.token_ids),
+            },
+        }
 
     def _start(self, call: Call) -> None:
         self.starting.append(call)
@@ -264,8 +272,12 @@ class AgentSessions:
             )
         return session
 
-    def _chat(self, call: Call) -> None:
-        session, body = self._session(call), call.body
+    def _request(
+        self, body: dict, *, trained: bool
+    ) -> tuple[list[tuple[str, str]], SamplingParams]:
+        """The messages and sampling of a chat request, or ApiError naming what is wrong. A
+        trained completion samples at actor.temperature (the learner scores with it); a plain
+        one at the temperature asked for."""
         if body.get("model") != self.model:
             raise ApiError(
                 404,
@@ -277,10 +289,22 @@ class AgentSessions:
             if body.get(key) not in allowed:
                 raise ApiError(400, f"{key}={body.get(key)!r} is not supported", param=key)
         temperature = body.get("temperature")
-        if temperature is not None and temperature != self.temperature:
+        if trained and temperature is not None and temperature != self.temperature:
             raise ApiError(
                 400,
                 f"temperature must be {self.temperature} (actor.temperature): the learner scores with it",
+                param="temperature",
+            )
+        if temperature is None:
+            temperature = self.temperature
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float))
+            or not 0 < temperature <= 100
+        ):
+            raise ApiError(
+                400,
+                "temperature must be a number > 0 (sampling reports log-probs)",
                 param="temperature",
             )
         limit = body.get("max_completion_tokens", body.get("max_tokens")) or self.max_tokens
@@ -290,7 +314,28 @@ class AgentSessions:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise ApiError(400, "stop must be a string or an array of strings", param="stop")
-        messages = normalised(body.get("messages"))
+        params = SamplingParams(
+            max_new_tokens=min(limit, self.max_tokens),
+            temperature=float(temperature),
+            stop=stop,
+            stop_token_ids=self.fmt.stop_token_ids,
+        )
+        return normalised(body.get("messages")), params
+
+    def _complete(self, call: Call) -> None:
+        """A plain completion (no session): no permit, nothing recorded or trained. What a
+        judge model or an evaluation calls."""
+        messages, params = self._request(call.body, trained=False)
+        key = f"plain-{uuid.uuid4().hex}"
+        try:
+            self.engine.submit(key, self.fmt.conversation(as_messages(messages)), params)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), code="context_length_exceeded") from None
+        self.plain[key] = call
+
+    def _chat(self, call: Call) -> None:
+        session = self._session(call)
+        messages, params = self._request(call.body, trained=True)
         history = session.history
         if history and len(messages) > len(history) and messages[: len(history)] == history:
             new = self.fmt.continuation(as_messages(messages[len(history) :]), session.last_action)
@@ -298,12 +343,6 @@ class AgentSessions:
             self._cut(session)
             new = self.fmt.conversation(as_messages(messages))
         session.segment.observe(new)
-        params = SamplingParams(
-            max_new_tokens=min(limit, self.max_tokens),
-            temperature=self.temperature,
-            stop=stop,
-            stop_token_ids=self.fmt.stop_token_ids,
-        )
         try:
             self.engine.submit(session.id, session.segment.tokens, params)
         except ValueError as exc:  # the context no longer fits the model
@@ -444,6 +483,8 @@ class AgentServer:
                     and parts[2:] == ["v1", "chat", "completions"]
                 ):
                     call = Call("chat", parts[1], body)
+                elif parts == ["v1", "chat", "completions"]:
+                    call = Call("complete", None, body)
                 else:
                     self._json(404, ApiError(404, f"no route POST {self.path}").body())
                     return
@@ -459,7 +500,10 @@ class AgentServer:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up waiting
+                    log.info("agent API client went away before its reply", path=self.path)
 
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True

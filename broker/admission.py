@@ -58,6 +58,15 @@ class Admission:
             0, self.capacity - self.consumed_since_publish - len(self.in_flight) - self.queued
         )
 
+    def fair_share(self, actor_id: str, actors: int, group: int) -> int:
+        """Permits an actor that already plays episodes may add: ceil(capacity / actors), in
+        whole groups, minus what it holds. So one actor with many slots cannot keep the whole
+        capacity from actors that join later (their first request, parked, is served first)."""
+        share = -(-self.capacity // max(1, actors))
+        share = -(-share // group) * group
+        held = sum(1 for p in self.in_flight.values() if p.actor_id == actor_id)
+        return max(0, share - held)
+
     def grant(self, actor_id: str, n: int, version: int, *, group: int = 1) -> list[Permit]:
         """Up to n permits at the actor's (= the latest) version, in whole groups.
 

@@ -401,7 +401,10 @@ class Broker:
             return self._wait(msg, "stale_weights", 0.0)
         if self.queue.nbytes > self.cfg.max_queue_bytes:
             return self._wait(msg, "queue_full", 0.5)
-        permits = self.admission.grant(head["id"], head["n"], latest, group=head.get("group", 1))
+        group, n = head.get("group", 1), head["n"]
+        if not head.get("wait", True):  # a busy actor topping up: at most its fair share
+            n = min(n, self.admission.fair_share(head["id"], len(self.registry.actors), group))
+        permits = self.admission.grant(head["id"], n, latest, group=group) if n >= group else []
         if not permits:
             return None
         M_PERMITS.inc(len(permits))

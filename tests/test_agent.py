@@ -4,6 +4,7 @@ OpenAI-compatible API, with a real broker; the trained segments checked token fo
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import subprocess
 import sys
@@ -238,3 +239,41 @@ def test_the_example_agent_trains_end_to_end(tmp_path: Path, tiny_model: Path, p
     assert s["learner_steps"] == 3 and s["trajectories_trained"] >= 3 * 8
     assert len(played) >= 3 * 8 and any(p["compactions"] for p in played)
     assert s["rejected_invalid"] == 0
+
+
+def test_the_example_agent_is_trained_on_exactly_what_it_saw(agent_actor, tiny_model) -> None:
+    """examples/calc_agent's own episode loop (tool calls, its own compaction) against the
+    actor: the batch holds its sessions whole, and each session's action tokens decode, in
+    order, to exactly the replies the agent received."""
+    actor, learner = agent_actor
+    spec = importlib.util.spec_from_file_location(
+        "calc_agent", ROOT / "examples" / "calc_agent" / "agent.py"
+    )
+    calc_agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calc_agent)
+    played = [
+        calc_agent.episode(actor.server.address, actor.agent.model, seed) for seed in range(4)
+    ]
+    batches: list = []
+    wait_until(
+        lambda: bool(batches.append(learner.get_batch(0, 4)) or batches[-1]),
+        60,
+        "a batch of the agent's 4 sessions",
+        every_s=0.1,
+    )
+    episodes = defaultdict(list)
+    for seg in batches[-1]:
+        episodes[seg.episode_id].append(seg)
+    tokenizer = load_tokenizer(tiny_model)
+    assert set(episodes) == {p["session"] for p in played}
+    for result in played:
+        segments = sorted(episodes[result["session"]], key=lambda s: s.segment)
+        assert len(segments) == 1 + result["compactions"]  # one cut per compaction
+        replies = []
+        for seg in segments:
+            acts = np.flatnonzero(seg.action_mask)
+            runs = np.split(acts, np.flatnonzero(np.diff(acts) > 1) + 1)
+            replies += [tokenizer.decode(seg.tokens[r], skip_special_tokens=True) for r in runs]
+        assert replies == result["replies"]
+        last = segments[-1]
+        assert last.rewards[np.flatnonzero(last.action_mask)[-1]] == result["reward"]

@@ -232,6 +232,24 @@ def test_a_permit_request_with_wait_false_is_answered_at_once(start_broker):
     assert reply.kind == "PERMITS" and len(reply.header["permits"]) == 2
 
 
+def test_a_busy_actor_tops_up_only_to_its_fair_share(start_broker):
+    """wait=false grants at most ceil(capacity / registered actors) minus what the actor holds,
+    so an actor with many free slots leaves room for the others; a plain request is not capped."""
+    broker = start_broker({"broker.max_staleness": 1})
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.hello(batch_size=4)  # capacity (1 + 1) * 4 = 8
+    learner.publish(0)
+    busy, other = (ScriptedActor(broker.address, name) for name in ("busy", "other"))
+    for actor in (busy, other):
+        actor.hello()
+        actor.sync_weights()
+    top_up = {"n": 8, "version": 0, "wait": False}
+    assert len(busy.request("PERMITS_REQ", top_up).header["permits"]) == 4  # half of 8
+    reply = busy.request("PERMITS_REQ", top_up)
+    assert reply.kind == "WAIT" and reply.header["reason"] == "capacity"  # its share is used
+    assert len(other.permits(8)) == 4  # the rest is there for the other actor
+
+
 def test_a_rejected_permit_request_changes_nothing(start_broker):
     """A malformed PERMITS_REQ neither records its version nor discards the actor's parked one."""
     broker, learner, holder, waiter = at_capacity(start_broker, 5.0)

@@ -42,11 +42,11 @@ def maze_episodes(fmt: ChatFormat, n: int, max_turns: int = 6) -> list[Episode]:
 
 
 def play_all(rollouts: Rollouts, episodes: list[Episode], inflight: int) -> list[set[int]]:
-    """Drive `rollouts` as the actor does (refill free slots, step); the turn numbers of the
-    episodes in flight at every step."""
+    """Drive `rollouts` as the actor does (refill a free slot, step), one new episode a step at
+    most, as permits arrive; the turn numbers of the episodes in flight at every step."""
     waiting, turns_in_flight = list(episodes), []
     while waiting or len(rollouts):
-        while waiting and len(rollouts) < inflight:
+        if waiting and len(rollouts) < inflight:
             rollouts.add(waiting.pop(0))
         turns_in_flight.append({ep.turns for ep in rollouts})
         rollouts.step()
@@ -60,8 +60,9 @@ def engine(tiny_model: Path) -> TorchEngine:
 
 
 def test_episodes_play_at_their_own_turns_and_segments_are_whole(engine: TorchEngine) -> None:
-    """Episodes in flight are at different turns at once (no lockstep), every episode ends, and
-    its segments (compaction cuts included) come out in order, the last one marked `last`."""
+    """Episodes that joined at different steps are at different turns at once (nobody waits for
+    a batch to finish its turn), every episode ends, and its segments (compaction cuts
+    included) come out in order, the last one marked `last`."""
     fmt = ChatFormat(engine.tokenizer)
     episodes = maze_episodes(fmt, 12)
     turns = play_all(Rollouts(engine, temperature=1.0, top_p=1.0), episodes, inflight=5)

@@ -123,14 +123,23 @@ class ToolUseEnv:
     """Fix f in src/main.py with one-line tool calls; reward 1.0 on a submit that passes hidden tests.
 
     `submit` ends the episode (terminated, pass or fail); running out of `max_turns` truncates it.
-    `judge`, if given, sees every call the rules let through and may intercept it too.
+    `judge`, if given, sees every call the rules let through and may intercept it too: a
+    callable, or the keyword arguments of an `LLMJudge` (url, model, prompt, timeout_s,
+    on_failure), as `actor.env_kwargs: {judge: {...}}` gives them.
     """
 
     name = "tooluse"
     max_new_tokens = 64
     stop = ["\n"]
 
-    def __init__(self, max_turns: int = 12, judge: Judge | None = None) -> None:
+    def __init__(self, max_turns: int = 12, judge: Judge | dict | None = None) -> None:
+        if isinstance(judge, dict):  # from YAML (actor.env_kwargs.judge): a language-model judge
+            from actors.envs.judge import LLMJudge
+
+            try:
+                judge = LLMJudge(**judge)
+            except TypeError as exc:
+                raise TypeError(f"tooluse: judge: {exc}") from None
         if judge is not None and not callable(judge):
             raise TypeError(f"tooluse: judge must be callable or None, got {type(judge).__name__}")
         self.max_turns = check_int("tooluse: max_turns", max_turns, minimum=1)

@@ -50,6 +50,10 @@ def episode(actor: str, model: str, seed: int, *, turns: int = 4, keep: int = 4)
     ]
     replies, reward, compactions = [], 0.0, 0
     for _ in range(turns):
+        if len(messages) > keep:  # the context is full: the agent rewrites its own history
+            summary = f"Earlier you tried {len(replies)} times. What is {a} + {b}?"
+            messages = [{"role": "user", "content": summary}]
+            compactions += 1
         reply = client.chat.completions.create(model=model, messages=messages, max_tokens=8)
         text = reply.choices[0].message.content
         replies.append(text)
@@ -61,14 +65,6 @@ def episode(actor: str, model: str, seed: int, *, turns: int = 4, keep: int = 4)
             messages.append({"role": "tool", "content": calculator(text.split(":", 1)[1])})
         else:
             messages.append({"role": "user", "content": "Not yet. Try again."})
-        if len(messages) > keep:  # compaction: the agent rewrites its own history
-            messages = [
-                {
-                    "role": "user",
-                    "content": f"Earlier you tried {len(replies)} times. What is {a} + {b}?",
-                }
-            ]
-            compactions += 1
     call(f"{actor}/v1/sessions/{session['id']}/end", {"reward": reward})
     client.close()
     return {
