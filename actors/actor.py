@@ -63,7 +63,7 @@ M_ENV_ERRORS = Counter(
     "Episodes abandoned because the environment raised or returned bad output.",
     ["during"],
 )
-PERMIT_RETRY_S = 0.5  # while episodes are in flight, ask for free slots at most this often
+PERMIT_RETRY_S = 0.5  # while episodes or sessions are in flight, ask for permits at most this often
 
 
 def actor_id(cfg: Config) -> str:
@@ -166,18 +166,32 @@ class Actor:
         group = self.cfg.actor.group_size
         free = self.cfg.actor.max_inflight_episodes - len(self.rollouts)
         n = min(self.cfg.actor.permits_per_request, free - free % group)
-        busy = len(self.rollouts) > 0
-        if n < 1 or (busy and time.monotonic() < self._next_permits):
+        if n < 1:
+            return []
+        return self._ask_permits(n, group, wait=not self.rollouts)
+
+    def _take_permit(self) -> dict | None:
+        """One permit for an agent session, without blocking the sessions already running."""
+        if self.engine.version < 0:
+            return None
+        permits = self._ask_permits(1, 1, wait=False)
+        return permits[0] if permits else None
+
+    def _ask_permits(self, n: int, group: int, *, wait: bool) -> list[dict]:
+        """PERMITS_REQ for `n` in groups of `group`. A WAIT: fetch the weights it asks for; or,
+        when we did not wait (episodes or sessions to serve meanwhile), ask again only after
+        PERMIT_RETRY_S; or sleep as the broker says."""
+        if not wait and time.monotonic() < self._next_permits:
             return []
         reply = self.link.call(
             "PERMITS_REQ",
-            {"n": n, "version": self.engine.version, "group": group, "wait": not busy},
+            {"n": n, "version": self.engine.version, "group": group, "wait": wait},
         )
         if reply.kind == "PERMITS":
             return reply.header["permits"]
         if reply.header["reason"] == "stale_weights":
             self.sync_weights()
-        elif busy:
+        elif not wait:
             self._next_permits = time.monotonic() + max(
                 PERMIT_RETRY_S, reply.header["retry_after_s"]
             )
@@ -190,21 +204,6 @@ class Actor:
         """What HELLO reports: the permits of the episodes and agent sessions in flight."""
         held = [ep.permit for ep in self.rollouts]
         return held + (self.agent.permits if self.agent is not None else [])
-
-    def _take_permit(self) -> dict | None:
-        """One permit for an agent session, without blocking the sessions already running."""
-        if time.monotonic() < self._next_permits or self.engine.version < 0:
-            return None
-        reply = self.link.call(
-            "PERMITS_REQ", {"n": 1, "version": self.engine.version, "group": 1, "wait": False}
-        )
-        if reply.kind == "PERMITS":
-            return reply.header["permits"][0]
-        if reply.header["reason"] == "stale_weights":
-            self.sync_weights()
-        else:
-            self._next_permits = time.monotonic() + max(0.2, reply.header["retry_after_s"])
-        return None
 
     def send(self, seg: Segment) -> bool:
         """Stream one segment; False when the broker will never take this episode (stop playing it)."""

@@ -33,7 +33,7 @@ import structlog
 from prometheus_client import Counter
 
 from actors.engines import Engine, Generation, SamplingParams
-from actors.episode import ChatFormat, SegmentBuilder
+from actors.episode import ChatFormat, SegmentBuilder, finite_number
 from common.trajectory import Segment
 
 log = structlog.get_logger()
@@ -355,24 +355,14 @@ class AgentSessions:
     def _cut(self, session: Session) -> None:
         """End the current segment `truncated` (sent now), start an empty one."""
         if session.segment.turns:
-            if not self._send(session, last=False, terminated=False, truncated=True):
-                raise ApiError(
-                    410,
-                    "the broker dropped this session's episode (too stale)",
-                    code="session_dropped",
-                )
+            self._send(session, last=False, terminated=False, truncated=True)
             session.cuts += 1
         session.segment, session.history, session.last_action = SegmentBuilder(), [], []
 
     def _end(self, call: Call) -> None:
         session, body = self._session(call), call.body
         reward = body.get("reward")
-        if (
-            isinstance(reward, bool)
-            or not isinstance(reward, (int, float))
-            or reward != reward
-            or abs(reward) == float("inf")
-        ):
+        if not finite_number(reward):
             raise ApiError(400, "reward must be a finite number", param="reward")
         terminated, truncated = body.get("terminated", True), body.get("truncated", False)
         if (
@@ -383,20 +373,18 @@ class AgentSessions:
             raise ApiError(
                 400, "exactly one of terminated and truncated must be true", param="terminated"
             )
-        del self.sessions[session.id]
-        self.engine.release(session.id)
-        if not session.segment.turns:  # nothing generated: nothing to train on
-            self.release()
-            call.answer({"id": session.id, "segments": session.sent})
-            return
-        session.segment.rewards[-1] += float(reward)  # the last token is the last action's
-        if not self._send(session, last=True, terminated=terminated, truncated=truncated):
-            raise ApiError(
-                410, "the broker dropped this session's episode (too stale)", code="session_dropped"
-            )
+        if not session.segment.turns:  # nothing generated: nothing to train on, free the permit
+            self._abandon(session)
+        else:
+            del self.sessions[session.id]
+            self.engine.release(session.id)
+            session.segment.rewards[-1] += float(reward)  # the last token is the last action's
+            self._send(session, last=True, terminated=terminated, truncated=truncated)
         call.answer({"id": session.id, "segments": session.sent})
 
-    def _send(self, session: Session, *, last: bool, terminated: bool, truncated: bool) -> bool:
+    def _send(self, session: Session, *, last: bool, terminated: bool, truncated: bool) -> None:
+        """Stream the current segment; a broker that will never take the episode (too stale)
+        ends the session: ApiError 410."""
         seg = session.segment.segment(
             episode_id=session.id,
             index=session.sent,
@@ -410,10 +398,11 @@ class AgentSessions:
             metrics={"turns": session.turns, "compactions": session.cuts},
         )
         session.sent += 1
-        if self.send(seg):
-            return True
-        self._abandon(session)
-        return False
+        if not self.send(seg):
+            self._abandon(session)
+            raise ApiError(
+                410, "the broker dropped this session's episode (too stale)", code="session_dropped"
+            )
 
     def _abandon(self, session: Session) -> None:
         self.sessions.pop(session.id, None)

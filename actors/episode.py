@@ -76,6 +76,11 @@ class ChatFormat:
         return self._ids(text)
 
 
+def finite_number(value: object) -> bool:
+    """A reward from outside (an environment, an agent): an int or float, finite, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def checked_text(env_name: str, method: str, value: object) -> str:
     """An environment's observation must be text: say which environment and call returned what."""
     if not isinstance(value, str):
@@ -93,11 +98,7 @@ def checked_step(env_name: str, result: object) -> StepResult:
         )
     checked_text(env_name, "step (observation)", result.observation)
     reward = result.reward
-    if (
-        isinstance(reward, bool)
-        or not isinstance(reward, (int, float))
-        or not math.isfinite(reward)
-    ):
+    if not finite_number(reward):
         raise ValueError(
             f"environment {env_name!r}: step returned reward {reward!r}, expected a finite number"
         )

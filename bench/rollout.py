@@ -43,7 +43,7 @@ from actors.engines.torch_engine import sampling_logprobs
 from actors.envs import make_env
 from actors.episode import ChatFormat, Episode
 from actors.rollout import Rollouts
-from common.model import state_dict_for_export
+from common.model import load_exported_state_dict, state_dict_for_export
 
 WORKLOADS = {
     "maze 2-50 turns": ("maze", {"max_turns": 50}),
@@ -183,24 +183,16 @@ def timed(run: Callable[[], int], n_episodes: int) -> dict[str, float]:
     }
 
 
-def variants(path: Path, inflight: int) -> dict[str, Callable[[], tuple[TorchEngine, Callable]]]:
-    """Each variant: a fresh engine (its own KV buffer) and the loop that plays episodes on it."""
-
-    def make(play: Callable[[TorchEngine, list[Episode]], int]) -> Callable:
-        def build() -> tuple[TorchEngine, Callable]:
-            engine = TorchEngine(str(path))
-            return engine, lambda eps: play(engine, eps)
-
-        return build
-
+def variants(inflight: int) -> dict[str, Callable[[TorchEngine, list[Episode]], int]]:
+    """Each variant: the loop that plays episodes on an engine; it returns the tokens sampled."""
     return {
-        "(a) lockstep x4": make(lambda engine, eps: lockstep(engine, eps, engine.generate)),
-        "(b) continuous": make(lambda engine, eps: continuous(engine, eps, inflight, reuse=False)),
-        "(c) continuous + prefix reuse": make(
-            lambda engine, eps: continuous(engine, eps, inflight, reuse=True)
+        "(a) lockstep x4": lambda engine, eps: lockstep(engine, eps, engine.generate),
+        "(b) continuous": lambda engine, eps: continuous(engine, eps, inflight, reuse=False),
+        "(c) continuous + prefix reuse": lambda engine, eps: continuous(
+            engine, eps, inflight, reuse=True
         ),
-        "(d) HF generate per turn x4": make(
-            lambda engine, eps: lockstep(engine, eps, hf_generate(engine))
+        "(d) HF generate per turn x4": lambda engine, eps: lockstep(
+            engine, eps, hf_generate(engine)
         ),
     }
 
@@ -212,10 +204,10 @@ def throughput(path: Path, n: dict[str, int], inflight: int, rounds: int) -> lis
     for workload, (env, kwargs) in WORKLOADS.items():
         count = n[env]
         results: dict[str, dict[str, Any]] = {}
-        order = list(variants(path, inflight).items())
+        order = list(variants(inflight).items())
         for round_ in range(rounds):
-            for name, build in order if round_ % 2 == 0 else order[::-1]:
-                engine, play = build()
+            for name, play in order if round_ % 2 == 0 else order[::-1]:
+                engine = TorchEngine(str(path))  # a fresh KV buffer per play
                 fmt = ChatFormat(engine.tokenizer)
                 eps = episodes(fmt, env, kwargs, count)
                 kv_peak = 0
@@ -227,7 +219,7 @@ def throughput(path: Path, n: dict[str, int], inflight: int, rounds: int) -> lis
                     return step()
 
                 engine.step = sampled_step
-                run = timed(lambda play=play, eps=eps: play(eps), count)
+                run = timed(lambda play=play, engine=engine, eps=eps: play(engine, eps), count)
                 total = results.setdefault(name, dict.fromkeys(TOTALS, 0))
                 total["seconds"] += run["seconds"]
                 total["generated_tokens"] += run["generated_tokens"]
@@ -334,8 +326,7 @@ def mismatch(engine: TorchEngine, eps: list[Episode], weights: list[dict]) -> di
             tokens = torch.from_numpy(seg.tokens.astype(np.int64)).unsqueeze(0)
             actions = np.flatnonzero(seg.action_mask)
             for version in np.unique(seg.versions[actions]):
-                model.load_state_dict(weights[version % len(weights)], strict=False)
-                model.tie_weights()
+                load_exported_state_dict(model, weights[version % len(weights)])
                 with torch.inference_mode():
                     logits = model(input_ids=tokens).logits[0, :-1]
                 logp = sampling_logprobs(logits, seg.temperature, 1.0)

@@ -85,6 +85,31 @@ def end(actor: Actor, session: dict, reward: float) -> dict:
     return reply
 
 
+def next_batch(learner: ScriptedLearner, n: int) -> dict[str, list]:
+    """The next batch of n whole episodes from the broker: episode id -> its segments, in order."""
+    batches: list = []
+    wait_until(
+        lambda: bool(batches.append(learner.get_batch(0, n)) or batches[-1]),
+        60,
+        f"a batch of {n} sessions",
+        every_s=0.1,
+    )
+    episodes = defaultdict(list)
+    for seg in sorted(batches[-1], key=lambda s: s.segment):
+        episodes[seg.episode_id].append(seg)
+    return episodes
+
+
+def replies(segments: list, tokenizer) -> list[str]:
+    """The text of every run of action tokens, in order: what the completions returned."""
+    texts = []
+    for seg in segments:
+        acts = np.flatnonzero(seg.action_mask)
+        runs = np.split(acts, np.flatnonzero(np.diff(acts) > 1) + 1)
+        texts += [tokenizer.decode(seg.tokens[run], skip_special_tokens=True) for run in runs]
+    return texts
+
+
 def test_agent_sessions_are_trained_token_for_token(agent_actor, tiny_model: Path) -> None:
     actor, learner = agent_actor
     model_name = actor.agent.model
@@ -127,23 +152,11 @@ def test_agent_sessions_are_trained_token_for_token(agent_actor, tiny_model: Pat
     for i, session in enumerate(asyncio.run(concurrently())):
         end(actor, session, 0.5 * i)
 
-    batches: list = []
-    wait_until(
-        lambda: bool(batches.append(learner.get_batch(0, 4)) or batches[-1]),
-        60,
-        "a batch of the 4 sessions",
-        every_s=0.1,
-    )
-    batch = batches[-1]
-    episodes = defaultdict(list)
-    for seg in batch:
-        episodes[seg.episode_id].append(seg)
+    episodes = next_batch(learner, 4)
     assert set(episodes) == set(texts)  # whole episodes, every session's
     model = load_causal_lm(tiny_model).eval()
     for episode_id, segments in episodes.items():
-        segments.sort(key=lambda s: s.segment)
         assert segments[-1].last and segments[-1].terminated
-        sampled = []
         for seg in segments:
             # the recorded tokens are the ones the engine sampled in this very context: their
             # log-probs equal a fresh forward of the learner's model over the segment
@@ -154,9 +167,7 @@ def test_agent_sessions_are_trained_token_for_token(agent_actor, tiny_model: Pat
             np.testing.assert_allclose(
                 seg.behavior_logprobs[acts], expected[acts - acts[0]], atol=1e-4
             )
-            runs = np.split(acts, np.flatnonzero(np.diff(acts) > 1) + 1)
-            sampled += [tokenizer.decode(seg.tokens[run], skip_special_tokens=True) for run in runs]
-        assert sampled == texts[episode_id]  # what each completion returned, in order
+        assert replies(segments, tokenizer) == texts[episode_id]  # what each call returned
     two = episodes[cut["id"]]
     assert [s.truncated for s in two] == [True, False] and not two[0].last
     assert two[1].rewards[np.flatnonzero(two[1].action_mask)[-1]] == 1.0
@@ -254,26 +265,12 @@ def test_the_example_agent_is_trained_on_exactly_what_it_saw(agent_actor, tiny_m
     played = [
         calc_agent.episode(actor.server.address, actor.agent.model, seed) for seed in range(4)
     ]
-    batches: list = []
-    wait_until(
-        lambda: bool(batches.append(learner.get_batch(0, 4)) or batches[-1]),
-        60,
-        "a batch of the agent's 4 sessions",
-        every_s=0.1,
-    )
-    episodes = defaultdict(list)
-    for seg in batches[-1]:
-        episodes[seg.episode_id].append(seg)
+    episodes = next_batch(learner, 4)
     tokenizer = load_tokenizer(tiny_model)
     assert set(episodes) == {p["session"] for p in played}
     for result in played:
-        segments = sorted(episodes[result["session"]], key=lambda s: s.segment)
+        segments = episodes[result["session"]]
         assert len(segments) == 1 + result["compactions"]  # one cut per compaction
-        replies = []
-        for seg in segments:
-            acts = np.flatnonzero(seg.action_mask)
-            runs = np.split(acts, np.flatnonzero(np.diff(acts) > 1) + 1)
-            replies += [tokenizer.decode(seg.tokens[r], skip_special_tokens=True) for r in runs]
-        assert replies == result["replies"]
+        assert replies(segments, tokenizer) == result["replies"]
         last = segments[-1]
         assert last.rewards[np.flatnonzero(last.action_mask)[-1]] == result["reward"]

@@ -137,3 +137,21 @@ def completes_stop(
     window = 4 * max(len(s) for s in params.stop)
     text = tokenizer.decode(token_ids[-window:], skip_special_tokens=False)
     return any(s in text for s in params.stop)
+
+
+def add_token(
+    gen: Generation,
+    token: int,
+    logprob: float,
+    version: int,
+    tokenizer: PreTrainedTokenizerBase,
+    params: SamplingParams,
+) -> bool:
+    """Append one sampled token to its turn; True when the turn ends with it (a stop, or the
+    `max_new_tokens` budget)."""
+    gen.token_ids.append(token)
+    gen.logprobs.append(logprob)
+    gen.versions.append(version)
+    if completes_stop(tokenizer, gen.token_ids, params):
+        gen.finish_reason = "stop"
+    return gen.finish_reason == "stop" or len(gen.token_ids) == params.max_new_tokens

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from actors.engines.base import Engine, Generation, SamplingParams, check_tokens, completes_stop
+from actors.engines.base import Engine, Generation, SamplingParams, add_token, check_tokens
 from common.model import load_tokenizer
 
 
@@ -84,13 +84,8 @@ class SimulatedEngine(Engine):
             if turn.due > now:
                 continue
             turn.due += turn.latency
-            gen = turn.gen
-            gen.token_ids.append(turn.rng.randrange(self.vocab_size))
-            gen.logprobs.append(logprob)
-            gen.versions.append(self.version)
-            if completes_stop(self.tokenizer, gen.token_ids, turn.params):
-                gen.finish_reason = "stop"
-            if gen.finish_reason == "stop" or len(gen.token_ids) == turn.params.max_new_tokens:
-                finished.append((key, gen))
+            token = turn.rng.randrange(self.vocab_size)
+            if add_token(turn.gen, token, logprob, self.version, self.tokenizer, turn.params):
+                finished.append((key, turn.gen))
                 del self.turns[key]
         return finished

@@ -42,7 +42,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from actors.engines.base import Engine, Generation, SamplingParams, check_tokens, completes_stop
+from actors.engines.base import Engine, Generation, SamplingParams, add_token, check_tokens
 from common.model import load_causal_lm, load_exported_state_dict, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -365,14 +365,8 @@ class TorchEngine(Engine):
         token_logprobs = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
         finished = []
         for row, token, logprob in zip(rows, tokens.tolist(), token_logprobs, strict=True):
-            gen, params = row.gen, row.params
-            gen.token_ids.append(token)
-            gen.logprobs.append(logprob)
-            gen.versions.append(self.version)
             row.tokens.append(token)
-            if completes_stop(self.tokenizer, gen.token_ids, params):
-                gen.finish_reason = "stop"
-            if gen.finish_reason == "stop" or len(gen.token_ids) == params.max_new_tokens:
-                finished.append((row.key, gen))
+            if add_token(row.gen, token, logprob, self.version, self.tokenizer, row.params):
+                finished.append((row.key, row.gen))
                 row.gen = row.params = row.generator = None
         return finished
