@@ -1,10 +1,12 @@
-"""One PPO step of the DeepSpeed learner against a plain torch loop doing the same math.
+"""One PPO step of the DeepSpeed learner against the same step on plain torch modules.
 
-Both sides load the same policy and separate critic from the same checkpoint and train on the
-same batch in the same micro-batches: the no-grad pass for log pi_prox and V, GAE targets
-(`learner.data`), IcePop weights and the PPO and value losses (`learner.losses`), AdamW and
-gradient clipping. The plain loop is the learner without DeepSpeed and without its bookkeeping,
-so the time ratio is what those cost. Also tokens/s at two model sizes. Writes
+Both sides run the learner's real step (`learner.step.TrainStep`: the no-grad pass for log pi_prox
+and V, GAE targets, IcePop weights, the PPO and value losses) on the same batch in the same
+micro-batches, with models loaded from the same checkpoint. The learner wraps them in DeepSpeed
+engines (ZeRO, its optimizer wrapper, gradient clipping) and adds its own bookkeeping (episode
+split, statistics' all-reduce, the step record); the baseline is a plain torch loop: the modules
+themselves, `loss.backward()`, `clip_grad_norm_` and `torch.optim.AdamW`. The time ratio is what
+DeepSpeed and the learner's bookkeeping cost. Also tokens/s at two model sizes. Writes
 docs/results/learner.json.
 
 Times are the best of several rounds, by wall clock and by this process's CPU time. The ratio
@@ -23,7 +25,9 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # Run as a script, this file's directory comes first on sys.path and its name would shadow the
 # `learner` package: put the repository root in front of it.
@@ -33,12 +37,12 @@ import deepspeed
 import numpy as np
 import torch
 
-from common.config import Config, load_config
+from common.config import Config, LearnerConfig, load_config
 from common.model import build_tiny_model
 from common.trajectory import Segment
 from learner import data
-from learner.losses import clip_schedule, icepop, ppo_policy_loss, value_loss
-from learner.models import Critic, Policy, shift_to_tokens, token_logprobs
+from learner.batch import Batch
+from learner.step import TrainStep, build_models
 from learner.trainer import Learner
 
 MODELS = {
@@ -88,122 +92,51 @@ def synthetic_batch(episodes: int, seed: int = 0) -> list[Segment]:
     return batch
 
 
-def inputs(segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    lens = [s.num_tokens for s in segs]
-    ids = data.pad([torch.from_numpy(s.tokens.astype("int64")) for s in segs])
-    return ids, data.pad([torch.ones(n, dtype=torch.long) for n in lens]), lens
+class PlainEngine:
+    """A torch module trained by a plain loop, with the members ``TrainStep`` uses of a
+    DeepSpeed engine: accumulate ``backward`` calls, then clip, step AdamW and zero the grads."""
+
+    def __init__(self, module: torch.nn.Module, lr: float, lc: LearnerConfig):
+        self.module, self.grad_clip = module, lc.grad_clip
+        self.opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=lc.weight_decay)
+        self.norm = 0.0
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        return self.module(input_ids, attention_mask)
+
+    def set_gradient_accumulation_boundary(self, boundary: bool) -> None:
+        pass
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip))
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def get_global_grad_norm(self) -> float:
+        return self.norm
 
 
-class PlainStep:
-    """The learner's PPO step (separate critic, one process) in plain torch."""
+def plain_step(cfg: Config) -> Callable[[list[Segment]], Any]:
+    """The baseline: ``TrainStep`` on plain engines, one process, the batch as one rank's rows."""
+    lc = cfg.learner
+    torch.manual_seed(lc.seed)  # the same initial value heads as the learner's
+    models = build_models(
+        lc, cfg.model.path, torch.float32, lambda module, lr: PlainEngine(module, lr, lc)
+    )
+    step = TrainStep(lc, models, device="cpu")
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        lc = cfg.learner
-        self.policy = Policy(cfg.model.path, torch.float32)
-        self.critic = Critic(cfg.model.path, torch.float32)
-        self.policy_opt = torch.optim.AdamW(
-            self.policy.parameters(), lr=lc.lr, weight_decay=lc.weight_decay
-        )
-        self.critic_opt = torch.optim.AdamW(
-            self.critic.parameters(), lr=lc.critic_lr, weight_decay=lc.weight_decay
-        )
+    def run(batch: list[Segment]) -> Any:
+        episodes = data.group_episodes(batch)
+        return step(Batch.of([s for ep in episodes for s in ep]), episodes, 0)
 
-    def __call__(self, batch: list[Segment]) -> None:
-        lc, temperature = self.cfg.learner, self.cfg.actor.temperature
-        segs = [s for ep in data.group_episodes(batch) for s in ep]
-        mbs = data.micro_batches(segs, lc.micro_batch_tokens)
-        n = len(segs)
-        prox, values, end_values = [torch.empty(0)] * n, [torch.empty(0)] * n, [0.0] * n
-        with torch.no_grad():  # log pi_prox and V before the update
-            for idx in mbs:
-                ids, attn, lens = inputs([segs[i] for i in idx])
-                lp = token_logprobs(self.policy(ids, attn), ids, temperature)
-                raw = self.critic(ids, attn)
-                v = shift_to_tokens(raw)
-                for j, i in enumerate(idx):
-                    prox[i], values[i], end_values[i] = (
-                        lp[j, : lens[j]],
-                        v[j, : lens[j]],
-                        float(raw[j, lens[j] - 1]),
-                    )
-
-        advs, rets = [], []  # GAE per segment, bootstrapped from the episode's next segment
-        for i, seg in enumerate(segs):
-            nxt = segs[i + 1] if i + 1 < n and segs[i + 1].episode_id == seg.episode_id else None
-            next_value = (
-                float(values[i + 1][data.turn_starts(torch.from_numpy(nxt.action_mask))[0]])
-                if nxt
-                else None
-            )
-            t = data.segment_targets(
-                seg,
-                values[i],
-                end_values[i],
-                next_value,
-                gamma=lc.gamma,
-                lam=lc.lam,
-                critic_lam=lc.critic_lam,
-                adaptive_alpha=lc.adaptive_lambda_alpha,
-                max_segment_steps=self.cfg.learner.max_segment_steps,
-            )
-            advs.append(t.advantages)
-            rets.append(t.returns)
-        masks = [torch.from_numpy(s.action_mask.astype(bool)) for s in segs]
-        weights = [
-            torch.where(
-                m,
-                icepop(
-                    p, torch.from_numpy(s.behavior_logprobs), low=lc.icepop_low, high=lc.icepop_high
-                )[0],
-                0.0,
-            )
-            for p, s, m in zip(prox, segs, masks, strict=True)
-        ]
-        denominator = max(float(sum(int(m.sum()) for m in masks)), 1.0)
-        clip = clip_schedule(0, max(lc.total_steps, 1), start=lc.clip_start, end=lc.clip_end)
-
-        def cat(xs: list[torch.Tensor], idx: list[int]) -> torch.Tensor:
-            return data.pad([xs[i] for i in idx])
-
-        def critic_loss(idx: list[int]) -> torch.Tensor:
-            ids, attn, _ = inputs([segs[i] for i in idx])
-            v = shift_to_tokens(self.critic(ids, attn))
-            return value_loss(
-                v,
-                cat(values, idx),
-                cat(rets, idx),
-                cat(masks, idx),
-                clip=lc.value_clip,
-                denominator=denominator,
-            )
-
-        def policy_loss(idx: list[int]) -> torch.Tensor:
-            ids, attn, _ = inputs([segs[i] for i in idx])
-            lp = token_logprobs(self.policy(ids, attn), ids, temperature)
-            return ppo_policy_loss(
-                lp,
-                cat(prox, idx),
-                cat(advs, idx),
-                cat(weights, idx),
-                cat(masks, idx),
-                clip_low=clip,
-                clip_high=clip,
-                denominator=denominator,
-            )[0]
-
-        for model, opt, loss_fn in (
-            (self.critic, self.critic_opt, critic_loss),
-            (self.policy, self.policy_opt, policy_loss),
-        ):
-            opt.zero_grad()
-            for idx in mbs:  # gradient accumulation over micro-batches
-                loss_fn(idx).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), lc.grad_clip)
-            opt.step()
+    run.policy = models.policy.module  # type: ignore[attr-defined]
+    return run
 
 
-def max_param_diff(learner: Learner, plain: PlainStep) -> float:
+def max_param_diff(learner: Learner, plain: Callable) -> float:
     """Largest |difference| between the two policies' parameters (same math: ~float noise)."""
     ours = dict(learner.policy.module.named_parameters())
     return max(float((ours[name] - p).abs().max()) for name, p in plain.policy.named_parameters())
@@ -213,7 +146,7 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def measure(
-    learner: Learner, plain: PlainStep, batch: list[Segment], repeats: int
+    learner: Learner, plain: Callable, batch: list[Segment], repeats: int
 ) -> tuple[dict[str, list[float]], float]:
     """Best step seconds per clock as [learner, plain], and the policies' difference after the
     first (warm-up) step. The two alternate within each round, so a busy CPU slows both alike."""
@@ -262,7 +195,7 @@ def main() -> None:
                 ],
             )
             Path(cfg.run.out_dir).mkdir()
-            learner, plain = Learner(cfg), PlainStep(cfg)
+            learner, plain = Learner(cfg), plain_step(cfg)
             best, diff = measure(learner, plain, batch, repeats)
             (ours, theirs), (ours_cpu, theirs_cpu) = best["wall"], best["cpu"]
             learner.close()
@@ -273,7 +206,7 @@ def main() -> None:
                 "segments": len(batch),
                 "tokens": tokens,
                 "action_tokens": action_tokens,
-                "micro_batches": len(data.micro_batches(batch, cfg.learner.micro_batch_tokens)),
+                "micro_batches": len(Batch.of(batch).micro_batches(cfg.learner.micro_batch_tokens)),
                 "learner_step_s": ours,
                 "plain_step_s": theirs,
                 "learner_step_cpu_s": ours_cpu,

@@ -386,35 +386,51 @@ def _merge(obj: Any, data: dict, prefix: str, source: str) -> None:
             setattr(obj, name, value)
 
 
-def validate(cfg: Config) -> Config:
-    """Checks across keys: a key's own type and bounds are checked as it is read (``param``)."""
-    if not 0 < cfg.learner.icepop_low <= 1 <= cfg.learner.icepop_high:
+def _check_actor(a: ActorConfig) -> None:
+    """Sampling the learner can score; permits and slots that fit whole groups."""
+    if a.top_p != 1.0:
         raise ConfigError(
-            "config keys 'learner.icepop_low'/'learner.icepop_high' need 0 < low <= 1 <= high, "
-            f"got [{cfg.learner.icepop_low}, {cfg.learner.icepop_high}]"
-        )
-    if cfg.actor.top_p != 1.0:
-        raise ConfigError(
-            f"config key 'actor.top_p' must be 1.0, got {cfg.actor.top_p!r}: the learner scores "
+            f"config key 'actor.top_p' must be 1.0, got {a.top_p!r}: the learner scores "
             "the full softmax at the sampling temperature and refuses nucleus-sampled segments "
             "(their pi_prox/mu would be shifted by the nucleus mass; docs/protocol.md section 10)"
         )
+    if a.permits_per_request % a.group_size:
+        raise ConfigError(
+            f"config key 'actor.permits_per_request' ({a.permits_per_request}) must be a multiple of "
+            f"actor.group_size ({a.group_size}) so a group is started together"
+        )
+    if a.max_inflight_episodes < a.group_size:
+        raise ConfigError(
+            f"config key 'actor.max_inflight_episodes' ({a.max_inflight_episodes}) must be "
+            f">= actor.group_size ({a.group_size}): a group is played together"
+        )
+
+
+def _check_learner(lc: LearnerConfig) -> None:
+    """IcePop's band must contain 1 (a token with no mismatch is kept)."""
+    if not 0 < lc.icepop_low <= 1 <= lc.icepop_high:
+        raise ConfigError(
+            "config keys 'learner.icepop_low'/'learner.icepop_high' need 0 < low <= 1 <= high, "
+            f"got [{lc.icepop_low}, {lc.icepop_high}]"
+        )
+
+
+def _check_groups(cfg: Config) -> None:
+    """Across roles: the learner's batch holds whole groups, and GRPO needs groups to compare."""
     if cfg.learner.algorithm == "grpo" and cfg.actor.group_size < 2:
         raise ConfigError("config key 'actor.group_size' must be >= 2 with learner.algorithm=grpo")
-    if cfg.actor.permits_per_request % cfg.actor.group_size:
-        raise ConfigError(
-            f"config key 'actor.permits_per_request' ({cfg.actor.permits_per_request}) must be a multiple of "
-            f"actor.group_size ({cfg.actor.group_size}) so a group is started together"
-        )
-    if cfg.actor.max_inflight_episodes < cfg.actor.group_size:
-        raise ConfigError(
-            f"config key 'actor.max_inflight_episodes' ({cfg.actor.max_inflight_episodes}) must be "
-            f">= actor.group_size ({cfg.actor.group_size}): a group is played together"
-        )
     if cfg.learner.batch_size % cfg.actor.group_size:
         raise ConfigError(
             f"config key 'learner.batch_size' ({cfg.learner.batch_size}) must be a multiple of actor.group_size"
         )
+
+
+def validate(cfg: Config) -> Config:
+    """Checks across keys, one per knob group (a key's own type and bounds are checked as it is
+    read, by ``param``)."""
+    _check_actor(cfg.actor)
+    _check_learner(cfg.learner)
+    _check_groups(cfg)
     return cfg
 
 

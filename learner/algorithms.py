@@ -21,45 +21,45 @@ import torch
 from common.config import LearnerConfig
 from common.trajectory import Segment
 from learner import data
+from learner.batch import Batch
 from learner.losses import icepop, truncated_is
 
 
 class Scores(NamedTuple):
-    """The no-grad pass, one 1-D tensor per segment (aligned to its tokens)."""
+    """The no-grad pass over a ``Batch``: [B, T] tensors aligned to its tokens (0 on padding)."""
 
-    prox: list[torch.Tensor]  # log π_prox(token_t)
-    values: list[torch.Tensor]  # V_t, the value of the state in which token t is chosen
-    end_values: list[float]  # the critic's value after the segment's last token
-    ref: list[torch.Tensor] | None  # reference-policy log-probs (KL penalty), None without one
+    prox: torch.Tensor  # log π_prox(token_t)
+    values: torch.Tensor  # V_t, the value of the state in which token t is chosen
+    end_values: torch.Tensor  # [B] the critic's value after each row's last token
+    ref: torch.Tensor | None  # reference-policy log-probs (KL penalty), None without one
 
 
 class Targets(NamedTuple):
-    advantages: list[torch.Tensor]
-    returns: list[torch.Tensor]  # the critic's targets (zeros when nothing learns a value)
+    advantages: torch.Tensor  # [B, T], 0 off action tokens
+    returns: torch.Tensor  # [B, T] the critic's targets (zeros when nothing learns a value)
 
 
-Estimator = Callable[[list[list[Segment]], list[Segment], Scores, LearnerConfig], Targets]
+Estimator = Callable[[Batch, Scores, list[list[Segment]], LearnerConfig], Targets]
 
 
 def gae_targets(
-    episodes: list[list[Segment]], segs: list[Segment], scores: Scores, lc: LearnerConfig
+    batch: Batch, scores: Scores, episodes: list[list[Segment]], lc: LearnerConfig
 ) -> Targets:
-    """GAE per segment; a segment cut by compaction bootstraps from the value at the first
-    action of the episode's next segment, one cut by the turn budget from its own end value."""
-    advantages, returns = [], []
-    for i, seg in enumerate(segs):
-        nxt = (
-            segs[i + 1] if i + 1 < len(segs) and segs[i + 1].episode_id == seg.episode_id else None
-        )
+    """GAE per row; a segment cut by compaction bootstraps from the value at the first action
+    of the episode's next segment, one cut by the turn budget from its own end value."""
+    advantages, returns = torch.zeros_like(scores.prox), torch.zeros_like(scores.prox)
+    for i, (n, nxt) in enumerate(zip(batch.lengths.tolist(), batch.next_row.tolist(), strict=True)):
         next_value = (
-            float(scores.values[i + 1][data.turn_starts(torch.from_numpy(nxt.action_mask))[0]])
-            if nxt
+            float(scores.values[nxt][data.turn_starts(batch.action_mask[nxt])[0]])
+            if nxt >= 0
             else None
         )
         t = data.segment_targets(
-            seg,
-            scores.values[i],
-            scores.end_values[i],
+            batch.action_mask[i, :n],
+            batch.rewards[i, :n],
+            bool(batch.terminated[i]),
+            scores.values[i, :n],
+            float(scores.end_values[i]),
             next_value,
             gamma=lc.gamma,
             lam=lc.lam,
@@ -67,19 +67,18 @@ def gae_targets(
             adaptive_alpha=lc.adaptive_lambda_alpha,
             max_segment_steps=lc.max_segment_steps,
         )
-        advantages.append(t.advantages)
-        returns.append(t.returns)
+        advantages[i, :n], returns[i, :n] = t.advantages, t.returns
     return Targets(advantages, returns)
 
 
 def grpo_targets(
-    episodes: list[list[Segment]], segs: list[Segment], scores: Scores, lc: LearnerConfig
+    batch: Batch, scores: Scores, episodes: list[list[Segment]], lc: LearnerConfig
 ) -> Targets:
-    """Group-relative advantages over every episode of the batch (all ranks' groups), then the
-    ones of this rank's segments."""
-    everything = [s for ep in episodes for s in ep]
-    by_id = dict(zip((s.traj_id for s in everything), data.grpo_targets(episodes), strict=True))
-    return Targets([by_id[s.traj_id] for s in segs], [torch.zeros(s.num_tokens) for s in segs])
+    """Group-relative advantages over every episode of the batch (all ranks' groups), on the
+    action tokens of this rank's rows."""
+    by_episode = data.grpo_episode_advantages(episodes)
+    per_row = torch.tensor([by_episode[s.episode_id] for s in batch.segments])
+    return Targets(batch.action_mask * per_row[:, None], torch.zeros_like(scores.prox))
 
 
 ESTIMATORS: dict[str, Estimator] = {"ppo": gae_targets, "grpo": grpo_targets}
@@ -95,14 +94,9 @@ CORRECTIONS: dict[str, Correction] = {
 
 
 def behavior_weights(
-    segs: list[Segment], prox: list[torch.Tensor], masks: list[torch.Tensor], lc: LearnerConfig
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per segment: the correction's weight on action tokens (``masks``; 0 elsewhere), and which
-    action tokens it kept."""
-    weights, keeps = [], []
-    for seg, p, mask in zip(segs, prox, masks, strict=True):
-        mu = torch.from_numpy(seg.behavior_logprobs.astype("float32"))
-        w, keep = CORRECTIONS[lc.correction](p, mu, lc)
-        weights.append(torch.where(mask, w, 0.0))
-        keeps.append(keep & mask)
-    return weights, keeps
+    batch: Batch, prox: torch.Tensor, lc: LearnerConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T]: the correction's weight on action tokens (0 elsewhere), and which action tokens
+    it kept."""
+    w, keep = CORRECTIONS[lc.correction](prox, batch.behavior_logprobs, lc)
+    return torch.where(batch.action_mask, w, 0.0), keep & batch.action_mask

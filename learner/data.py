@@ -8,6 +8,7 @@ action of the episode's next segment; only a segment that ends truncated with no
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,21 +37,16 @@ def split_for_rank(episodes: list[list[Segment]], rank: int, world: int) -> list
     return [ep for i, ep in enumerate(episodes) if owner[i] == rank]
 
 
-def micro_batches(segments: list[Segment], max_tokens: int) -> list[list[int]]:
-    """Indices of segments packed so that (longest × count) stays under ``max_tokens`` per micro-batch."""
-    order = sorted(range(len(segments)), key=lambda i: -segments[i].num_tokens)
+def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row indices packed so that (longest × count) stays under ``max_tokens`` per micro-batch."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches: list[list[int]] = []
     for i in order:
-        if batches and segments[batches[-1][0]].num_tokens * (len(batches[-1]) + 1) <= max_tokens:
+        if batches and lengths[batches[-1][0]] * (len(batches[-1]) + 1) <= max_tokens:
             batches[-1].append(i)
         else:
             batches.append([i])
     return batches
-
-
-def pad(rows: list[torch.Tensor], value: float = 0) -> torch.Tensor:
-    """Right-pad 1-D tensors into [B, T_max]."""
-    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
 
 
 def turn_starts(mask: torch.Tensor) -> list[int]:
@@ -68,7 +64,9 @@ class Targets:
 
 
 def segment_targets(
-    seg: Segment,
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    terminated: bool,
     values: torch.Tensor,
     end_value: float,
     next_value: float | None,
@@ -81,11 +79,11 @@ def segment_targets(
 ) -> Targets:
     """GAE for one segment, cut every ``max_segment_steps`` turns (each piece bootstrapped at its cut).
 
-    ``values`` is V[t] aligned to tokens; ``end_value`` the critic's value after the segment's last
+    ``mask``, ``rewards`` and ``values`` (V[t]) are the segment's tokens (no padding);
+    ``terminated`` whether the episode ended in it; ``end_value`` the critic's value after its last
     token; ``next_value`` V at the first action of the episode's next segment, if the batch has it.
     """
-    mask = torch.from_numpy(seg.action_mask.astype(bool))
-    rewards = torch.from_numpy(seg.rewards.astype("float32"))
+    mask = mask.bool()
     if adaptive_alpha is not None:
         lam = adaptive_lambda(int(mask.sum()), adaptive_alpha)
     starts = turn_starts(mask)
@@ -95,10 +93,10 @@ def segment_targets(
     for piece, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         last_piece = piece == len(bounds) - 2
         if not last_piece:
-            terminated, boot = False, float(values[hi])
+            ends, boot = False, float(values[hi])
         else:
-            terminated = seg.terminated
-            boot = 0.0 if terminated else (next_value if next_value is not None else end_value)
+            ends = terminated
+            boot = 0.0 if ends else (next_value if next_value is not None else end_value)
         sl = slice(lo, hi)
         adv[sl], _ = gae(
             rewards[sl],
@@ -106,7 +104,7 @@ def segment_targets(
             mask[sl],
             gamma=gamma,
             lam=lam,
-            terminated=terminated,
+            terminated=ends,
             bootstrap_value=boot,
         )
         _, ret[sl] = gae(
@@ -115,7 +113,7 @@ def segment_targets(
             mask[sl],
             gamma=gamma,
             lam=critic_lam,
-            terminated=terminated,
+            terminated=ends,
             bootstrap_value=boot,
         )
     return Targets(adv, ret, lam)
@@ -125,12 +123,10 @@ def episode_rewards(episodes: list[list[Segment]]) -> list[float]:
     return [sum(s.reward for s in ep) for ep in episodes]
 
 
-def grpo_targets(episodes: list[list[Segment]]) -> list[torch.Tensor]:
-    """GRPO: every action token of an episode gets its group-normalised episode reward."""
+def grpo_episode_advantages(episodes: list[list[Segment]]) -> dict[str, float]:
+    """GRPO: each episode's group-normalised reward, by episode id (every action token of the
+    episode gets it)."""
     rewards = torch.tensor(episode_rewards(episodes))
     groups = [ep[0].group_id or ep[0].episode_id for ep in episodes]
     adv = grpo_advantages(rewards, groups)
-    out = []
-    for a, ep in zip(adv.tolist(), episodes, strict=True):
-        out += [torch.from_numpy(s.action_mask.astype("float32")) * a for s in ep]
-    return out
+    return {ep[0].episode_id: a for ep, a in zip(episodes, adv.tolist(), strict=True)}

@@ -13,9 +13,8 @@ One step, top to bottom (docs/architecture.md, "Learner step"):
    tokens of the *global* batch (all ranks, all micro-batches), and the clipped value loss;
 6. publish the new weights as version v+1 every ``publish_every`` steps; checkpoint.
 
-DeepSpeed averages gradients over ranks; the losses are multiplied by the world size so that the
-global-token denominator is exact: a long segment weighs the same on rank 0 or rank 1, in one
-micro-batch or two.
+Steps 2-5 are ``learner.step.TrainStep`` on a rectangular ``learner.batch.Batch``; this module
+holds what is around them: DeepSpeed engines, the broker link, publishing and checkpoints.
 """
 
 from __future__ import annotations
@@ -23,8 +22,6 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,23 +30,17 @@ import structlog
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from common.config import Config, LearnerConfig
+from common.config import Config
 from common.log import bind_version
 from common.metrics import Health
 from common.model import state_dict_for_export, tied_keys
 from common.trajectory import Segment
 from common.weights import pack_state_dict
 from learner import data
-from learner.algorithms import ESTIMATORS, Scores, Targets, behavior_weights
+from learner.batch import Batch
 from learner.distributed import all_reduce, any_rank, init_distributed
 from learner.link import BrokerLink, share_batch
-from learner.losses import (
-    clip_schedule,
-    kl_penalty,
-    ppo_policy_loss,
-    value_loss,
-)
-from learner.models import Critic, Policy, PolicyWithValue, shift_to_tokens, token_logprobs
+from learner.step import TrainStep, build_models
 
 log = structlog.get_logger()
 
@@ -97,64 +88,6 @@ GAUGES = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def clip_epsilon(step: int, lc: LearnerConfig) -> float:
-    """PPO clip epsilon at ``step``: linear from clip_start to clip_end over total_steps; with
-    total_steps = 0 (run until stopped) there is no horizon to schedule over, so clip_start."""
-    if lc.total_steps == 0:
-        return lc.clip_start
-    return clip_schedule(step, lc.total_steps, start=lc.clip_start, end=lc.clip_end)
-
-
-def value_sums(returns: torch.Tensor, values: torch.Tensor) -> list[float]:
-    """[n, ΣR, ΣR², Σ(R−V), Σ(R−V)²] over the given (action) tokens, in float64.
-
-    Sums, so that ranks can all-reduce them before ``explained_variance``.
-    """
-    r, d = returns.double(), returns.double() - values.double()
-    return [
-        float(r.numel()),
-        float(r.sum()),
-        float((r**2).sum()),
-        float(d.sum()),
-        float((d**2).sum()),
-    ]
-
-
-VALUE_SUMS = ("n", "sum_r", "sum_r2", "sum_d", "sum_d2")  # the names of value_sums' entries
-
-
-@dataclass(frozen=True)
-class Step:
-    """What one step's optimisation reads: this rank's segments and what was computed on them."""
-
-    segs: list[Segment]
-    scores: Scores
-    targets: Targets
-    weights: list[torch.Tensor]  # behavior weights on action tokens, 0 elsewhere
-    masks: list[torch.Tensor]  # action tokens
-    denominator: float  # action tokens of the global batch: the loss's token-mean denominator
-    clip: float
-    micro_batches: list[list[int]]  # segment indices of each of this rank's micro-batches
-    n_micro: int  # micro-batches per optimiser step on every rank (the most any rank has)
-
-
-LOSS_TERMS = ("policy_loss", "value_loss", "clip_fraction", "approx_kl")
-
-
-def explained_variance(sums: Sequence[float]) -> float:
-    """1 − Var(R−V) / Var(R) from ``value_sums`` (population variances); 0 without variance.
-
-    Var, not the mean square: a critic off by a constant explains all the variance (1.0).
-    """
-    n, r, r2, d, d2 = sums
-    if n <= 0:
-        return 0.0
-    var_r = r2 / n - (r / n) ** 2
-    if var_r <= 1e-12:
-        return 0.0
-    return 1.0 - (d2 / n - (d / n) ** 2) / var_r
-
-
 RESUME_MODES = ("require", "auto")
 
 
@@ -170,9 +103,6 @@ class Learner:
         self.rank, self.world = init_distributed()
         torch.manual_seed(self.lc.seed)
         dtype = DTYPES[cfg.model.dtype]
-        self.shared = self.lc.algorithm == "ppo" and self.lc.critic == "shared"
-        self.use_critic = self.lc.algorithm == "ppo"
-        path = cfg.model.path
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
@@ -187,21 +117,20 @@ class Learner:
             opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=self.lc.weight_decay)
             return deepspeed.initialize(model=module, optimizer=opt, config=ds_config)[0]
 
-        self.policy = engine(
-            PolicyWithValue(path, dtype) if self.shared else Policy(path, dtype), self.lc.lr
-        )
-        self.critic = (
-            engine(Critic(path, dtype), self.lc.critic_lr)
-            if self.use_critic and not self.shared
-            else None
-        )
+        models = build_models(self.lc, cfg.model.path, dtype, engine)
+        self.policy, self.critic = models.policy, models.critic
         # The engine's device: inputs, the reference model and collectives live there (CPU + gloo
         # without a GPU, the rank's CUDA device + NCCL with one).
         self.device = self.policy.device
-        self.reference = (
-            Policy(path, dtype).eval().requires_grad_(False).to(self.device)
-            if self.lc.kl_coef > 0
-            else None
+        if models.reference is not None:
+            models.reference.to(self.device)
+        self.steps = TrainStep(
+            self.lc,
+            models,
+            device=self.device,
+            world=self.world,
+            reduce=self._all_reduce,
+            beat=lambda what: self.health.beat(what),  # tests swap self.health
         )
         self.step = 0
         self.version = 0
@@ -219,26 +148,13 @@ class Learner:
             rank=self.rank,
             world=self.world,
             algorithm=self.lc.algorithm,
-            critic=self.lc.critic if self.use_critic else None,
+            critic=self.lc.critic if self.critic is not None or models.shared else None,
             zero_stage=self.lc.zero_stage,
             broker=self.lc.broker,
             step=self.step,
         )
 
     # ------------------------------------------------------------ the model
-    def _forward(
-        self, input_ids: torch.Tensor, attn: torch.Tensor, temps: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One pass per model: policy log-probs [B,T] aligned to tokens, each row at its own
-        sampling temperature, and the critic's raw outputs [B,T] (index t = the state after
-        token t; None without a critic)."""
-        if self.shared:
-            logits, raw = self.policy(input_ids, attn)
-        else:
-            logits = self.policy(input_ids, attn)
-            raw = self.critic(input_ids, attn) if self.critic is not None else None
-        return token_logprobs(logits, input_ids, temps), raw
-
     def _policy_module(self) -> torch.nn.Module:
         return self.policy.module.policy
 
@@ -329,226 +245,16 @@ class Learner:
         return segs
 
     # ---------------------------------------------------------------- step
-    @torch.no_grad()
-    def _score(self, segs: list[Segment]) -> Scores:
-        """No-grad pass: log π_prox, V aligned to tokens, V after the last token, reference log-probs."""
-        prox, values, end_values, ref = [], [], [], [] if self.reference is not None else None
-        for idx in data.micro_batches(segs, self.lc.micro_batch_tokens):
-            self.health.beat("scoring the batch")
-            ids, attn, lens, temps = self._inputs([segs[i] for i in idx])
-            lp, raw = self._forward(ids, attn, temps)
-            v = shift_to_tokens(raw) if raw is not None else torch.zeros_like(lp)
-            # The value after each segment's last token: the bootstrap at a cut with no next segment.
-            vend = [float(raw[j, n - 1]) if raw is not None else 0.0 for j, n in enumerate(lens)]
-            r = token_logprobs(self.reference(ids, attn), ids, temps) if ref is not None else None
-            # Per-token bookkeeping (advantages, weights, statistics) runs on the CPU; the losses
-            # move what they need back to the engine's device.
-            lp, v = lp.cpu(), v.cpu()
-            r = r.cpu() if r is not None else None
-            for j, i in enumerate(idx):
-                prox.append((i, lp[j, : lens[j]]))
-                values.append((i, v[j, : lens[j]]))
-                end_values.append((i, vend[j]))
-                if ref is not None:
-                    ref.append((i, r[j, : lens[j]]))
-        order = lambda pairs: [t for _, t in sorted(pairs, key=lambda p: p[0])]  # noqa: E731
-        return Scores(
-            order(prox),
-            order(values),
-            order(end_values),
-            order(ref) if ref is not None else None,
-        )
-
-    def _inputs(
-        self, segs: list[Segment]
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor]:
-        """Padded token ids and attention mask on the engine's device, the true lengths, and the
-        temperature each row was sampled with (it travels with the segment)."""
-        lens = [s.num_tokens for s in segs]
-        ids = data.pad([torch.from_numpy(s.tokens.astype("int64")) for s in segs])
-        attn = data.pad([torch.ones(n, dtype=torch.long) for n in lens])
-        temps = torch.tensor([s.temperature for s in segs], dtype=torch.float32)
-        return ids.to(self.device), attn.to(self.device), lens, temps
-
-    def _rows(self, xs: list[torch.Tensor], idx: list[int]) -> torch.Tensor:
-        """Per-token tensors of micro-batch ``idx``, padded, on the engine's device."""
-        return data.pad([xs[i] for i in idx]).to(self.device)
-
     def train_step(self, batch: list[Segment]) -> dict[str, Any]:
-        """One step, a pipeline: score -> targets -> behavior weights -> optimise -> statistics."""
+        """One step on the global batch: this rank's whole episodes as one ``Batch``, the
+        ``TrainStep`` pipeline on it, and what the step trained on."""
         t0 = time.monotonic()
         episodes = data.group_episodes(batch)
-        segs = [s for ep in data.split_for_rank(episodes, self.rank, self.world) for s in ep]
-        scores = self._score(segs)
-        targets = ESTIMATORS[self.lc.algorithm](episodes, segs, scores, self.lc)
-        masks = [torch.from_numpy(s.action_mask.astype(bool)) for s in segs]
-        weights, keeps = behavior_weights(segs, scores.prox, masks, self.lc)
-        (n_tokens,) = self._all_reduce([float(sum(s.num_action_tokens for s in segs))])
-        mbs = data.micro_batches(segs, self.lc.micro_batch_tokens)
-        step = Step(
-            segs,
-            scores,
-            targets,
-            weights,
-            masks=masks,
-            denominator=max(n_tokens, 1.0),
-            clip=clip_epsilon(self.step, self.lc),
-            micro_batches=mbs,
-            n_micro=int(self._all_reduce([float(len(mbs))], "max")[0]),
+        mine = Batch.of(
+            [s for ep in data.split_for_rank(episodes, self.rank, self.world) for s in ep]
         )
-        losses = self._optimise(step)
-        return {
-            **self._statistics(step, keeps, losses),
-            **self._batch_facts(batch, episodes, n_tokens, time.monotonic() - t0),
-            "clip": step.clip,
-        }
-
-    def _optimise(self, step: Step) -> dict[str, float]:
-        """``ppo_epochs`` passes: the critic's updates, then the policy's (after the critic's
-        warm-up); the loss terms' means over the epochs and the policy's last gradient norm."""
-        lc = self.lc
-        train_policy = self.step >= lc.critic_warmup_steps
-        sums = dict.fromkeys(LOSS_TERMS, 0.0)
-        grad_norm = 0.0
-        for _ in range(lc.ppo_epochs):
-            if self.critic is not None:
-                for _ in range(lc.critic_updates):
-                    terms, _ = self._micro_steps(self.critic, step, self._critic_loss)
-                    sums["value_loss"] += terms.get("value_loss", 0.0) / lc.critic_updates
-            if train_policy or self.shared:
-                terms, grad_norm = self._micro_steps(
-                    self.policy, step, lambda s, idx: self._policy_loss(s, idx, train_policy)
-                )
-                for key, value in terms.items():
-                    sums[key] += value
-        return {**{k: v / lc.ppo_epochs for k, v in sums.items()}, "grad_norm": grad_norm}
-
-    def _micro_steps(
-        self,
-        engine: Any,
-        step: Step,
-        loss_fn: Callable[[Step, list[int]], tuple[torch.Tensor, dict[str, float]]],
-    ) -> tuple[dict[str, float], float]:
-        """Accumulate over the same number of micro-batches on every rank, then step once; the
-        loss terms summed over this rank's micro-batches, and the gradient norm before clipping.
-
-        DeepSpeed keeps the norm only in its ZeRO optimizers; without ZeRO the (already
-        all-reduced) gradients are plain ``.grad``.
-        """
-        sums: dict[str, float] = {}
-        for j in range(step.n_micro):
-            self.health.beat("training")
-            engine.set_gradient_accumulation_boundary(j == step.n_micro - 1)
-            if j < len(step.micro_batches):
-                loss, terms = loss_fn(step, step.micro_batches[j])
-                for key, value in terms.items():
-                    sums[key] = sums.get(key, 0.0) + value
-            else:
-                loss = self._zero_loss(engine)
-            engine.backward(loss * self.world, scale_wrt_gas=False)
-        grads = (
-            [p.grad for p in engine.module.parameters() if p.grad is not None]
-            if self.lc.zero_stage == 0
-            else None
-        )
-        norm = torch.nn.utils.get_total_norm(grads) if grads is not None else None
-        engine.step()
-        return sums, float(engine.get_global_grad_norm() if norm is None else norm)
-
-    def _policy_loss(
-        self, step: Step, idx: list[int], train_policy: bool
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Token-level PPO on the proximal policy (+ KL to a reference, + the shared critic's
-        value loss); the loss and its terms."""
-        lc = self.lc
-        ids, attn, _, temps = self._inputs([step.segs[i] for i in idx])
-        out = self.policy(ids, attn)
-        lp = token_logprobs(out[0] if self.shared else out, ids, temps)
-        rows = lambda xs: self._rows(xs, idx)  # noqa: E731
-        mask = rows(step.masks)
-        loss, stats = ppo_policy_loss(
-            lp,
-            rows(step.scores.prox),
-            rows(step.targets.advantages),
-            rows(step.weights),
-            mask,
-            clip_low=step.clip,
-            clip_high=step.clip,
-            denominator=step.denominator,
-        )
-        terms = {
-            "policy_loss": float(loss),
-            "clip_fraction": float(stats["clip_fraction"]),
-            "approx_kl": float(stats["approx_kl"]),
-        }
-        if step.scores.ref is not None:
-            kl = kl_penalty(lp, rows(step.scores.ref), mask, denominator=step.denominator)
-            loss = loss + lc.kl_coef * kl
-        if self.shared:
-            vl = value_loss(
-                shift_to_tokens(out[1]),
-                rows(step.scores.values),
-                rows(step.targets.returns),
-                mask,
-                clip=lc.value_clip,
-                denominator=step.denominator,
-            )
-            terms["value_loss"] = float(vl)
-            loss = (loss if train_policy else loss * 0) + lc.value_coef * vl
-        return loss, terms
-
-    def _critic_loss(self, step: Step, idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
-        ids, attn, _, _ = self._inputs([step.segs[i] for i in idx])
-        rows = lambda xs: self._rows(xs, idx)  # noqa: E731
-        vl = value_loss(
-            shift_to_tokens(self.critic(ids, attn)),
-            rows(step.scores.values),
-            rows(step.targets.returns),
-            rows(step.masks),
-            clip=self.lc.value_clip,
-            denominator=step.denominator,
-        )
-        return vl, {"value_loss": float(vl)}
-
-    def _statistics(
-        self, step: Step, keeps: list[torch.Tensor], losses: dict[str, float]
-    ) -> dict[str, float]:
-        """Over the global batch (every rank contributes its sums): the losses, IcePop's kept
-        fraction, the raw behavior weights π_prox/μ (before masking or truncation) and the
-        critic's explained variance over the action tokens."""
-        ratios = [
-            torch.exp(torch.clamp(p[m] - torch.from_numpy(s.behavior_logprobs)[m], -20, 20))
-            for s, p, m in zip(step.segs, step.scores.prox, step.masks, strict=True)
-        ]
-
-        def on_actions(xs: list[torch.Tensor]) -> torch.Tensor:
-            pairs = zip(xs, step.masks, strict=True)
-            return torch.cat([x[m] for x, m in pairs]) if xs else torch.zeros(0)
-
-        local = {
-            **{k: losses[k] for k in LOSS_TERMS},
-            "kept": float(sum(int(k.sum()) for k in keeps)),
-            "weight_sum": float(sum(float(r.sum()) for r in ratios)),
-            **dict(
-                zip(
-                    VALUE_SUMS,
-                    value_sums(on_actions(step.targets.returns), on_actions(step.scores.values)),
-                    strict=True,
-                )
-            ),
-        }
-        g = dict(zip(local, self._all_reduce(list(local.values())), strict=True))
-        weight_max = max((float(r.max()) for r in ratios if r.numel()), default=0.0)
-        return {
-            **{k: g[k] for k in LOSS_TERMS},
-            "icepop_kept_fraction": g["kept"] / step.denominator,
-            "importance_weight_mean": g["weight_sum"] / step.denominator,
-            "importance_weight_max": self._all_reduce([weight_max], "max")[0],
-            "explained_variance": (
-                explained_variance([g[k] for k in VALUE_SUMS]) if self.use_critic else 0.0
-            ),
-            "grad_norm": losses["grad_norm"],
-        }
+        stats, n_tokens = self.steps(mine, episodes, self.step)
+        return {**stats, **self._batch_facts(batch, episodes, n_tokens, time.monotonic() - t0)}
 
     def _batch_facts(
         self, batch: list[Segment], episodes: list[list[Segment]], tokens: float, seconds: float
@@ -574,15 +280,6 @@ class Learner:
             "time": time.time(),
             "traj_ids": [s.traj_id for s in batch],  # lets a reader check nothing trains twice
         }
-
-    def _zero_loss(self, engine: Any) -> torch.Tensor:
-        """A loss of exactly 0 from a one-token forward pass: keeps ranks in lockstep in collectives.
-
-        A real forward, not a sum over parameters: under ZeRO-3 parameters exist only inside it.
-        """
-        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        out = engine(ids, torch.ones_like(ids))
-        return sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))) * 0.0
 
     def _record(self, stats: dict[str, Any], batch: list[Segment]) -> None:
         M_STEPS.inc()

@@ -15,10 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.config import load_config
 from common.trajectory import Segment
+from learner.algorithms import ESTIMATORS, Scores
+from learner.batch import Batch
 from learner.data import (
     group_episodes,
-    grpo_targets,
     micro_batches,
     segment_targets,
     split_for_rank,
@@ -77,6 +79,11 @@ def closed_form(seg: Segment, values: torch.Tensor, boot: float) -> tuple[list[f
     return adv.tolist(), ret.tolist()
 
 
+def row(seg: Segment) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """A segment's (mask, rewards, terminated), as ``segment_targets`` reads them."""
+    return torch.from_numpy(seg.action_mask), torch.from_numpy(seg.rewards), seg.terminated
+
+
 def targets(
     seg: Segment,
     values: torch.Tensor,
@@ -88,7 +95,7 @@ def targets(
     max_segment_steps: int = 50,
 ):
     return segment_targets(
-        seg,
+        *row(seg),
         values,
         end_value,
         next_value,
@@ -143,7 +150,7 @@ def test_dynamic_truncation_cuts_and_bootstraps_at_the_cut():
 def test_adaptive_lambda_depends_on_the_segment_length():
     seg = make_segment("o" + "a" * 10)
     t = segment_targets(
-        seg,
+        *row(seg),
         torch.zeros(11),
         0.0,
         None,
@@ -168,24 +175,19 @@ def test_turn_starts(mask, starts):
     assert turn_starts(torch.tensor(mask, dtype=torch.uint8)) == starts
 
 
-def segments_of_lengths(lengths: list[int]) -> list[Segment]:
-    return [make_segment("o" + "a" * (n - 1), episode=f"ep{i}") for i, n in enumerate(lengths)]
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     lengths=st.lists(st.integers(2, 40), min_size=1, max_size=12), max_tokens=st.integers(1, 120)
 )
 def test_micro_batches_respect_the_token_limit(lengths, max_tokens):
-    segs = segments_of_lengths(lengths)
-    batches = micro_batches(segs, max_tokens)
-    assert sorted(i for b in batches for i in b) == list(range(len(segs)))
+    batches = micro_batches(lengths, max_tokens)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:  # padded size = longest x count; only a lone segment may exceed the limit
         assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= max_tokens
 
 
 def test_micro_batches_pack_equal_segments_together():
-    batches = micro_batches(segments_of_lengths([10] * 7), max_tokens=35)
+    batches = micro_batches([10] * 7, max_tokens=35)
     assert [len(b) for b in batches] == [3, 3, 1]
 
 
@@ -232,13 +234,37 @@ def test_grpo_targets_broadcast_the_group_advantage_to_action_tokens():
     d, e = (make_segment("oa", episode=name, rewards={1: 2.0}, group="g2") for name in "de")
     c = make_segment("oaa", episode="c")
     episodes = group_episodes([a0, a1, b, d, e, c])
-    out = grpo_targets(episodes)
-    expected = {"a": 1.0, "b": -1.0, "d": 0.0, "e": 0.0, "c": 0.0}
     segs = [s for ep in episodes for s in ep]
-    assert len(out) == len(segs)
-    for seg, adv in zip(segs, out, strict=True):
-        mask = torch.from_numpy(seg.action_mask.astype(bool))
-        assert adv[mask].tolist() == pytest.approx(
-            [expected[seg.episode_id]] * int(mask.sum()), abs=1e-5
+    batch = Batch.of(segs)
+    zeros = torch.zeros(batch.tokens.shape)
+    scores = Scores(zeros, zeros, torch.zeros(len(segs)), None)
+    lc = load_config(None, ["learner.algorithm=grpo", "actor.group_size=2"]).learner
+    adv = ESTIMATORS["grpo"](batch, scores, episodes, lc).advantages
+    expected = {"a": 1.0, "b": -1.0, "d": 0.0, "e": 0.0, "c": 0.0}
+    for i, seg in enumerate(segs):
+        on = batch.action_mask[i]
+        assert adv[i][on].tolist() == pytest.approx(
+            [expected[seg.episode_id]] * seg.num_action_tokens, abs=1e-5
         )
-        assert adv[~mask].tolist() == [0.0] * int((~mask).sum())
+    assert adv[~batch.action_mask].abs().max() == 0.0  # observations and padding
+
+
+def test_a_batch_lays_segments_out_as_padded_rows_and_links_each_to_its_next_segment():
+    a0 = make_segment("oaao", episode="a", terminated=False, last=False)
+    a1 = make_segment("oooaa", episode="a", index=1)
+    b = make_segment("oa", episode="b")
+    batch = Batch.of([a0, a1, b])
+    assert batch.tokens.shape == (3, 5) and batch.lengths.tolist() == [4, 5, 2]
+    assert batch.next_row.tolist() == [1, -1, -1]
+    assert batch.terminated.tolist() == [False, True, True]
+    assert batch.num_action_tokens == 5
+    for i, seg in enumerate([a0, a1, b]):
+        n = seg.num_tokens
+        assert batch.tokens[i, :n].tolist() == seg.tokens.tolist()
+        assert batch.behavior_logprobs[i, :n].tolist() == seg.behavior_logprobs.tolist()
+        assert not batch.action_mask[i, n:].any() and (batch.versions[i, n:] == -1).all()
+    # A micro-batch is cut to its longest row; the attention mask covers exactly each row.
+    ids, attn, temps = batch.inputs([0, 2])
+    assert ids.shape == (2, 4) and attn.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert temps.tolist() == [1.0, 1.0]
+    assert batch.take(batch.rewards, [2]).shape == (1, 2)

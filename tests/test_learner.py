@@ -37,14 +37,11 @@ from common.transport import TransportError
 from common.weights import pack_state_dict, unpack_state_dict
 from deploy.cli import build_parser
 from learner import data
+from learner.batch import Batch
 from learner.link import PUBLISH_GROUP
 from learner.models import Policy, token_logprobs
-from learner.trainer import (
-    Learner,
-    clip_epsilon,
-    explained_variance,
-    value_sums,
-)
+from learner.step import clip_epsilon, explained_variance, value_sums
+from learner.trainer import Learner
 
 COMPARED = (
     "policy_loss",
@@ -159,10 +156,20 @@ def assert_same_step(a: dict, b: dict, params_a: dict, params_b: dict, atol: flo
     torch.testing.assert_close(params_a, params_b, rtol=0, atol=atol)
 
 
+def lengths(batch: list[Segment]) -> list[int]:
+    return [s.num_tokens for s in batch]
+
+
+def prox_of(learner: Learner, segs: list[Segment]) -> list[torch.Tensor]:
+    """The learner's log π_prox of each segment's tokens, rows in the given order."""
+    prox = learner.steps.score(Batch.of(segs)).prox
+    return [prox[i, : s.num_tokens] for i, s in enumerate(segs)]
+
+
 def scored_by(learner: Learner, batch: list[Segment]) -> list[Segment]:
     """Behavior log-probs equal, bit for bit, to ``learner``'s own π_prox on this batch: the same
     forward on the same micro-batches, so π_prox/μ is exactly 1 (a sampler with no mismatch)."""
-    prox = learner._score(batch)[0]
+    prox = prox_of(learner, batch)
     for seg, lp in zip(batch, prox, strict=True):
         seg.behavior_logprobs = np.where(seg.action_mask == 1, lp.numpy(), 0.0).astype("<f4")
     return batch
@@ -214,8 +221,8 @@ def test_fully_mismatched_batch_leaves_the_policy_untouched(new_learner):
 def test_micro_batches_do_not_change_the_update(new_learner):
     batch = fixed_batch()
     assert (
-        len(data.micro_batches(batch, 16)) == len(batch)
-        and len(data.micro_batches(batch, 4096)) == 1
+        len(data.micro_batches(lengths(batch), 16)) == len(batch)
+        and len(data.micro_batches(lengths(batch), 4096)) == 1
     )
     one, many = (
         new_learner("learner.micro_batch_tokens=4096"),
@@ -509,7 +516,7 @@ def test_long_phases_keep_the_liveness_watchdog_fed(new_learner, tiny_model):
     learner = new_learner("learner.micro_batch_tokens=16", "learner.weight_chunk_bytes=4096")
     learner.health = learner.link.health = health = RecordingHealth()
     batch = on_policy(fixed_batch(), tiny_model)
-    n_micro = len(data.micro_batches(batch, 16))
+    n_micro = len(data.micro_batches(lengths(batch), 16))
     learner.train_step(batch)
     assert health.beats.count("scoring the batch") == n_micro
     assert health.beats.count("training") == 2 * n_micro  # critic, then policy
@@ -592,7 +599,7 @@ def test_the_learner_scores_each_segment_at_the_temperature_it_was_sampled_with(
     learner = new_learner("actor.temperature=1.0")
     batch = sampled_segments(tiny_model, SamplingParams(max_new_tokens=10, temperature=0.7, seed=3))
     assert {s.temperature for s in batch} == {0.7}
-    prox = learner._score(batch)[0]
+    prox = prox_of(learner, batch)
     for seg, lp in zip(batch, prox, strict=True):
         act = seg.action_mask == 1
         np.testing.assert_allclose(lp.numpy()[act], seg.behavior_logprobs[act], rtol=0, atol=1e-4)
@@ -600,7 +607,7 @@ def test_the_learner_scores_each_segment_at_the_temperature_it_was_sampled_with(
     at_one = [dataclasses.replace(s, temperature=1.0) for s in batch]
     gap = max(
         float((lp - torch.from_numpy(s.behavior_logprobs)).abs()[s.action_mask == 1].max())
-        for s, lp in zip(at_one, learner._score(at_one)[0], strict=True)
+        for s, lp in zip(at_one, prox_of(learner, at_one), strict=True)
     )
     assert gap > 0.05
     stats = learner.train_step(batch)

@@ -135,7 +135,6 @@ def engine_vs_learner(smollm2: Path, dtype: str) -> tuple[torch.Tensor, list]:
     """
     from actors.engines import SamplingParams, TorchEngine
     from actors.episode import ChatFormat
-    from learner import data
     from learner.models import Policy, token_logprobs
 
     engine = TorchEngine(str(smollm2), dtype=dtype)
@@ -148,8 +147,10 @@ def engine_vs_learner(smollm2: Path, dtype: str) -> tuple[torch.Tensor, list]:
     rows = [torch.tensor(p + g.token_ids) for p, g in zip(prompts, gens, strict=True)]
     policy = Policy(str(smollm2), torch.float32).eval()
     with torch.no_grad():
-        logits = policy(data.pad(rows), data.pad([torch.ones(len(r)) for r in rows]).long())
-        learner_lp = token_logprobs(logits, data.pad(rows).long(), params.temperature)
+        ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        attn = torch.nn.utils.rnn.pad_sequence([torch.ones(len(r)) for r in rows], batch_first=True)
+        logits = policy(ids, attn.long())
+        learner_lp = token_logprobs(logits, ids.long(), params.temperature)
     gaps = [
         (learner_lp[i, len(p) : len(p) + len(g.token_ids)] - torch.tensor(g.logprobs)).abs()
         for i, (p, g) in enumerate(zip(prompts, gens, strict=True))

@@ -1,0 +1,91 @@
+"""One rank's share of a broker batch as rectangular tensors, built once and read by every stage.
+
+The wire decoder has already validated each segment (``common.trajectory.validate``); this module
+only lays the rows out: [B, T] tensors right-padded to the longest row, with padding that every
+stage ignores (``action_mask`` is False there, so no loss, weight or statistic reads it). A
+micro-batch is a list of row indices; ``take`` cuts any [B, T] tensor of the step (scores,
+targets, weights) to those rows and their longest length, the same shape ``inputs`` gives the
+model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.trajectory import Segment
+from learner.data import micro_batches
+
+
+@dataclass(frozen=True)
+class Batch:
+    tokens: torch.Tensor  # [B, T] int64 token ids, 0 after a row's length
+    lengths: torch.Tensor  # [B] int64
+    action_mask: torch.Tensor  # [B, T] bool: tokens the policy sampled (the loss's tokens)
+    behavior_logprobs: torch.Tensor  # [B, T] float32 log μ of the sampled tokens, 0 elsewhere
+    rewards: torch.Tensor  # [B, T] float32
+    versions: torch.Tensor  # [B, T] int64 policy version behind each action token, -1 elsewhere
+    temperature: (
+        torch.Tensor
+    )  # [B] float32: each row is scored at the temperature it was sampled at
+    terminated: torch.Tensor  # [B] bool: the episode ended in this row (no bootstrap after it)
+    next_row: torch.Tensor  # [B] int64: the row of the episode's next segment, -1 if none here
+    segments: tuple[Segment, ...]  # where each row came from (ids, actors, groups)
+
+    @classmethod
+    def of(cls, segments: list[Segment]) -> Batch:
+        """Rows in the given order; an episode's segments must be consecutive and in order (as
+        ``data.group_episodes`` leaves them), which is what makes ``next_row`` the row after."""
+        n, width = len(segments), max((s.num_tokens for s in segments), default=0)
+        arrays = {
+            "tokens": np.zeros((n, width), np.int64),
+            "action_mask": np.zeros((n, width), bool),
+            "behavior_logprobs": np.zeros((n, width), np.float32),
+            "rewards": np.zeros((n, width), np.float32),
+            "versions": np.full((n, width), -1, np.int64),
+        }
+        for i, seg in enumerate(segments):
+            for name, out in arrays.items():
+                out[i, : seg.num_tokens] = getattr(seg, name)
+        same_episode_next = [
+            i + 1 < n and segments[i + 1].episode_id == seg.episode_id
+            for i, seg in enumerate(segments)
+        ]
+        return cls(
+            **{name: torch.from_numpy(a) for name, a in arrays.items()},
+            lengths=torch.tensor([s.num_tokens for s in segments], dtype=torch.int64),
+            temperature=torch.tensor([s.temperature for s in segments], dtype=torch.float32),
+            terminated=torch.tensor([s.terminated for s in segments], dtype=torch.bool),
+            next_row=torch.tensor(
+                [i + 1 if nxt else -1 for i, nxt in enumerate(same_episode_next)],
+                dtype=torch.int64,
+            ),
+            segments=tuple(segments),
+        )
+
+    def __len__(self) -> int:
+        return len(self.segments)
+
+    @property
+    def num_action_tokens(self) -> int:
+        return int(self.action_mask.sum())
+
+    def micro_batches(self, max_tokens: int) -> list[list[int]]:
+        """Row indices packed so that (longest row × rows) stays under ``max_tokens``."""
+        return micro_batches(self.lengths.tolist(), max_tokens)
+
+    def take(
+        self, x: torch.Tensor, rows: list[int], device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """Rows ``rows`` of a [B, T] tensor of this batch, cut to their longest length."""
+        return x[rows, : int(self.lengths[rows].max())].to(device)
+
+    def inputs(
+        self, rows: list[int], device: torch.device | str = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The model's inputs for ``rows``: token ids, attention mask, sampling temperatures."""
+        ids = self.take(self.tokens, rows, device)
+        attn = (torch.arange(ids.shape[1]) < self.lengths[rows, None]).long().to(device)
+        return ids, attn, self.temperature[rows].to(device)
