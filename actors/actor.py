@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,8 +22,9 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from actors.agent import AgentServer, AgentSessions
-from actors.engines import make_engine
+from actors.engines import engine_for
 from actors.envs import make_env
+from actors.envs.base import train_seed
 from actors.episode import ChatFormat, Episode
 from actors.link import BrokerLink
 from actors.rollout import Rollouts
@@ -87,12 +87,7 @@ class Actor:
         )
         if cfg.actor.torch_threads:
             torch.set_num_threads(cfg.actor.torch_threads)
-        options: dict = (
-            {} if cfg.actor.engine_dtype == "auto" else {"dtype": cfg.actor.engine_dtype}
-        )
-        if cfg.actor.engine == "torch":
-            options["on_swap"] = cfg.actor.kv_on_weight_swap
-        self.engine = make_engine(cfg.actor.engine, cfg.model.path, **options)
+        self.engine = engine_for(cfg.actor, cfg.model.path)
         self.rollouts = Rollouts(
             self.engine, temperature=cfg.actor.temperature, top_p=cfg.actor.top_p
         )
@@ -216,14 +211,13 @@ class Actor:
 
     # --------------------------------------------------------------- rollouts
     def start(self, permits: list[dict]) -> None:
-        """One new episode per permit; the `group_size` episodes of a group share a seed."""
+        """One new episode per permit; the `group_size` episodes of a group share a seed (a
+        training seed: never one of the held-out instances evaluation plays)."""
         group = self.cfg.actor.group_size
         failed = False
         for i, permit in enumerate(permits):
             if i % group == 0:
-                seed = zlib.crc32(
-                    f"{self.cfg.actor.seed}/{self.id}/{self.episodes_started}".encode()
-                )
+                seed = train_seed(f"{self.cfg.actor.seed}/{self.id}/{self.episodes_started}")
                 group_id = f"{self.id}.{self.episodes_started}" if group > 1 else None
             self.episodes_started += 1
             try:

@@ -108,23 +108,32 @@ class BrokerLink:
     def fetch_weights(self, have: int) -> tuple[dict, dict[str, Any]] | None:
         """The newest complete version if it is newer than ``have``: (manifest, tensors), chunks
         pipelined and every tensor's sha256 checked; None when there is none or it went away."""
-        reply = self.call("WEIGHTS_INFO")
-        if reply.kind != "WEIGHTS_MANIFEST" or reply.header["manifest"]["version"] <= have:
-            return None
-        manifest = reply.header["manifest"]
-        version = manifest["version"]
-        try:
-            chunks = self.client.pipeline(
-                "WEIGHTS_GET",
-                [{"version": version, "chunk": i} for i in range(len(manifest["chunks"]))],
-            )
-        except TransportError as exc:
-            log.warning("weight download interrupted", version=version, error=str(exc))
-            return None
-        self.latest = max(self.latest, version)
-        return manifest, unpack_state_dict(manifest, [m.tensors["data"] for m in chunks])
+        fetched = fetch_newer(self.client, self.call("WEIGHTS_INFO"), have)
+        if fetched is not None:
+            self.latest = max(self.latest, fetched[0]["version"])
+        return fetched
 
     def close(self) -> None:
         with contextlib.suppress(TransportError):  # a gone broker reclaims by heartbeat timeout
             self.client.request("BYE", timeout_s=1.0)
         self.client.close()
+
+
+def fetch_newer(client: Client, info: Message, have: int) -> tuple[dict, dict[str, Any]] | None:
+    """After a WEIGHTS_INFO reply ``info``: the version it names, if newer than ``have``, as
+    (manifest, tensors), its chunks pipelined and every tensor's sha256 checked; None when there
+    is none or it went away during the download. WEIGHTS_INFO/GET need no HELLO, so the
+    evaluator uses this too."""
+    if info.kind != "WEIGHTS_MANIFEST" or info.header["manifest"]["version"] <= have:
+        return None
+    manifest = info.header["manifest"]
+    version = manifest["version"]
+    try:
+        chunks = client.pipeline(
+            "WEIGHTS_GET",
+            [{"version": version, "chunk": i} for i in range(len(manifest["chunks"]))],
+        )
+    except TransportError as exc:
+        log.warning("weight download interrupted", version=version, error=str(exc))
+        return None
+    return manifest, unpack_state_dict(manifest, [m.tensors["data"] for m in chunks])

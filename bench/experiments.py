@@ -5,6 +5,7 @@ configuration and seed, its own port and run dir under runs/experiments/), reads
 step log (`learner_steps.jsonl`) and the run summary, and writes JSON and a PNG plot to
 docs/results/ (`<name>.json`/`.png`; `<name>_quick.*` for --quick).
 
+    python bench/experiments.py long_horizon [--quick] [--seeds N]  # PPO vs GRPO on chain, held-out
     python bench/experiments.py ppo_vs_grpo [--quick] [--seeds N]   # critic PPO vs GRPO, maze + digits
     python bench/experiments.py icepop      [--quick] [--seeds N]   # bf16 sampling, fp32 training
     python bench/experiments.py icepop_smollm2 [--quick]             # the same on SmolLM2-135M (make smollm2)
@@ -48,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "experiments"
 MODEL = "runs/models/tiny"  # the built-in random-init model: the same starting point for every run
 SMOLLM2 = "runs/models/smollm2-135m-instruct"  # `make smollm2` prepares it
-WARM_MAZE_MODEL = "runs/models/tiny-maze-warm"  # bench/maze_warmup.py builds it
+WARM_MAZE_MODEL = "runs/models/tiny-maze-warm"  # bench/warmup.py builds it
+WARM_CHAIN_MODEL = "runs/models/tiny-chain-warm"  # bench/warmup.py --env chain builds it
 
 BASE = {
     "model.path": MODEL,
@@ -89,7 +91,7 @@ def maze(max_turns: int) -> dict[str, Any]:
 
 # The long-horizon comparison: 2-50 turn mazes (the spec's horizon), a hint with the next optimal
 # move on every turn, 2 tokens per action (a move letter and the end of turn), started from the
-# warmed tiny model of bench/maze_warmup.py (a partial instruction follower). What RL must
+# warmed tiny model of bench/warmup.py (a partial instruction follower). What RL must
 # learn is to follow the hint on every turn of a long episode rewarded only at its end.
 MAZE_LEARNING = {
     **maze(50),
@@ -98,6 +100,34 @@ MAZE_LEARNING = {
     "model.builtin": None,
     "learner.lr": 3e-4,  # 1e-3 drifted the warmed model off the hint within 25 steps
     "learner.critic_warmup_steps": 2,
+}
+
+
+# The long-horizon testbed (actors/envs/chain.py): N log-uniform in 2-50 right answers, reward
+# only after the N-th, compaction past 384 context tokens (one to about ten segments an episode),
+# from the chain warm start of bench/warmup.py (held-out success ~0.15, mostly short instances).
+# Every arm: 32 episodes a step in groups of 8 (GRPO's groups; PPO gets the same instance
+# stream), advantages centred over the batch's action tokens, the same steps, so the same
+# episodes; generated tokens are reported per run.
+CHAIN = {
+    "actor.env": "chain",
+    "actor.max_turns": 100,
+    "actor.context_budget_tokens": 384,
+    "actor.permits_per_request": 8,
+    "actor.group_size": 8,
+    "learner.batch_size": 32,
+    "model.path": WARM_CHAIN_MODEL,
+    "model.builtin": None,
+    "learner.lr": 3e-4,
+    "learner.critic_lr": 1e-3,
+    "learner.advantage_norm": "centre",
+    "broker.max_staleness": 1,
+}
+CHAIN_VARIANTS = {  # name -> environment arguments
+    "early": {"max_turns": 50, "early_termination": True},
+    "no-early": {"max_turns": 50, "early_termination": False},
+    "coin-flip": {"max_turns": 50, "early_termination": True, "coin_flip": True},
+    "short": {"min_turns": 1, "max_turns": 3, "early_termination": True},
 }
 
 
@@ -112,6 +142,7 @@ class Run:
     actors: int = 2
     wall_s: float = 120.0
     config: str | None = None  # a configs/ YAML under the overrides (default: the built-in config)
+    evaluate: bool = False  # score the final policy on the held-out set (`asyncppo eval`)
 
 
 @dataclass
@@ -120,6 +151,7 @@ class Result:
     summary: dict[str, Any]
     steps: list[dict[str, Any]] = field(default_factory=list)
     returncode: int = 0
+    held_out: dict[str, Any] | None = None  # `asyncppo eval` of the final policy
 
 
 # ---------------------------------------------------------------------------- metrics (pure)
@@ -217,6 +249,12 @@ def run_record(res: Result) -> dict[str, Any]:
             "approx_kl",
         )
     }
+    series.update(  # written by learners since the update statistics landed (issue 14)
+        {
+            key: [s.get(key) for s in steps]
+            for key in ("update_kl", "entropy", "zero_advantage_fraction", "advantage_mean")
+        }
+    )
     staleness = np.zeros(max((len(s["staleness_histogram"]) for s in steps), default=0), dtype=int)
     for s in steps:
         staleness[: len(s["staleness_histogram"])] += s["staleness_histogram"]
@@ -233,6 +271,7 @@ def run_record(res: Result) -> dict[str, Any]:
         "series": series,
         "staleness_histogram": staleness.tolist(),
         "final_reward": final_reward(steps),
+        "held_out": res.held_out,
         **pipeline_rates(steps),
     }
 
@@ -259,6 +298,7 @@ def launch(run: Run, experiment: str) -> Result:
         "learner.seed": run.seed,
         "run.out_dir": str(run_dir.relative_to(ROOT)),
         "run.max_wall_s": run.wall_s,
+        **({"learner.export_dir": str(run_dir / "export")} if run.evaluate else {}),
     }
     cmd = [
         sys.executable,
@@ -292,12 +332,65 @@ def launch(run: Run, experiment: str) -> Result:
         if steps_path.exists()
         else []
     )
+    held_out = (
+        {
+            "start": start_eval(overrides, run_dir, run.config),
+            "final": held_out_eval(
+                str(run_dir / "export"), overrides, run_dir / "eval.json", run.config
+            ),
+        }
+        if run.evaluate and (run_dir / "export" / "config.json").exists()
+        else None
+    )
     print(
         f"[{experiment}] {run.name}: {len(steps)} steps, final reward {final_reward(steps):.3f}, "
-        f"{time.monotonic() - t0:.0f}s, rc {code}",
+        + (
+            f"held-out success {held_out['start']['success']:.3f} -> "
+            f"{held_out['final']['success']:.3f}, "
+            if held_out
+            else ""
+        )
+        + f"{time.monotonic() - t0:.0f}s, rc {code}",
         flush=True,
     )
-    return Result(run, summary, steps, code)
+    return Result(run, summary, steps, code, held_out)
+
+
+_START_EVALS: dict[str, dict[str, Any]] = {}
+
+
+def start_eval(overrides: dict[str, Any], run_dir: Path, config: str | None) -> dict[str, Any]:
+    """The held-out score of the starting model on the run's task, once per task and model
+    (every arm of a task starts from the same one)."""
+    keys = ("model.path", "actor.env", "actor.env_kwargs", "actor.max_turns", "eval.episodes")
+    key = json.dumps([overrides.get(k) for k in keys], sort_keys=True)
+    if key not in _START_EVALS:
+        _START_EVALS[key] = held_out_eval(
+            overrides["model.path"], overrides, run_dir / "eval_start.json", config
+        )
+    return _START_EVALS[key]
+
+
+def held_out_eval(
+    model: str, overrides: dict[str, Any], out: Path, config: str | None = None
+) -> dict[str, Any]:
+    """`asyncppo eval --model` on the run's environment: the held-out set, never trained on."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "eval",
+        "--model",
+        model,
+        "--out",
+        str(out),
+        *(["--config", config] if config else []),
+        *override_args({**overrides, "run.log_format": "json"}),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=subprocess.DEVNULL)
+    result = json.loads(out.read_text())
+    return {k: v for k, v in result.items() if k != "records"}
 
 
 # ---------------------------------------------------------------------------- experiments
@@ -331,6 +424,117 @@ def ppo_vs_grpo_runs(quick: bool, seeds: int) -> list[Run]:
                     )
                 )
     return runs
+
+
+def long_horizon_runs(quick: bool, seeds: int) -> list[Run]:
+    """Critic PPO vs GRPO on the chain, with and without early termination, at equal steps and
+    episodes; each scored on the held-out set before and after. Controls (seed 0 only): a
+    coin-flip reward (must not learn) and the 1-3 turn short twin."""
+    runs = []
+    for variant, env_kwargs in CHAIN_VARIANTS.items():
+        control = variant in ("coin-flip", "short")
+        # Without early termination an episode plays up to 75 turns (~5 s a step on 2 cores,
+        # against ~1.3 s): fewer steps there, the same for both methods.
+        steps = 15 if quick else (60 if variant == "no-early" else 120)
+        for algo in ("ppo", "grpo"):
+            for seed in range(1 if control else seeds):
+                over = {
+                    **CHAIN,
+                    "actor.env_kwargs": env_kwargs,
+                    "learner.algorithm": algo,
+                    "learner.total_steps": steps,
+                    "eval.episodes": 48 if quick else 96,
+                }
+                if variant == "short":
+                    over["eval.horizon_buckets"] = [1, 3]
+                runs.append(
+                    Run(
+                        f"{variant}-{algo}-s{seed}",
+                        {"task": variant, "algorithm": algo},
+                        over,
+                        seed,
+                        wall_s=240 if quick else 1500,
+                        evaluate=True,
+                    )
+                )
+    return runs
+
+
+def seed_interval(values: list[float]) -> dict[str, Any]:
+    """Mean over seeds with a 95% t-interval (none from one seed)."""
+    t95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365}
+    n, mean = len(values), float(np.mean(values)) if values else float("nan")
+    if n < 2:
+        return {"mean": mean, "ci95": None, "seeds": n, "values": values}
+    half = t95.get(n, 1.96) * float(np.std(values, ddof=1)) / np.sqrt(n)
+    return {"mean": mean, "ci95": [mean - half, mean + half], "seeds": n, "values": values}
+
+
+def summarize_long_horizon(records: list[dict]) -> dict[str, Any]:
+    """Per arm: held-out success at the start and the end (mean over seeds, 95% t-interval),
+    its change, per horizon bucket, the training reward's variance, the critic's explained
+    variance at the end, GRPO's share of tied (zero-advantage) tokens, and tokens generated."""
+    out: dict[str, Any] = {}
+    for (task, algo), rs in groups(records, "task", "algorithm").items():
+        rs = [r for r in rs if r["held_out"]]
+        if not rs:
+            continue
+        final = [r["held_out"]["final"] for r in rs]
+        start = rs[0]["held_out"]["start"]
+        last = lambda r, key: [x for x in r["series"][key][-10:] if x is not None]  # noqa: E731
+        out[f"{task}/{algo}"] = {
+            "held_out_start": {"success": start["success"], "ci95": start["success_ci95"]},
+            "held_out_final": seed_interval([f["success"] for f in final]),
+            "gain": seed_interval([f["success"] - start["success"] for f in final]),
+            "final_by_horizon": {
+                b: seed_interval([f["buckets"][b]["success"] for f in final if b in f["buckets"]])
+                for b in final[0]["buckets"]
+            },
+            "start_by_horizon": {b: v["success"] for b, v in start["buckets"].items()},
+            "training_reward_variance": seed_interval(
+                [float(np.var(r["series"]["reward_mean"])) for r in rs]
+            ),
+            "explained_variance_last10": seed_interval(
+                [float(np.mean(last(r, "explained_variance"))) for r in rs]
+            ),
+            "zero_advantage_fraction": seed_interval(
+                [
+                    float(
+                        np.mean(
+                            [x for x in r["series"]["zero_advantage_fraction"] if x is not None]
+                            or [float("nan")]
+                        )
+                    )
+                    for r in rs
+                ]
+            ),
+            "action_tokens_trained": seed_interval([float(sum(r["series"]["tokens"])) for r in rs]),
+        }
+    return out
+
+
+def plot_long_horizon(records: list[dict], ax_row: list[Any]) -> None:
+    summary = summarize_long_horizon(records)
+    arms = sorted(summary)
+    x = np.arange(len(arms))
+    finals = [summary[a]["held_out_final"] for a in arms]
+    err = [(f["mean"] - f["ci95"][0]) if f["ci95"] else 0.0 for f in finals]
+    ax_row[0].bar(x, [f["mean"] for f in finals], 0.6, yerr=err, capsize=3, label="after training")
+    ax_row[0].scatter(
+        x,
+        [summary[a]["held_out_start"]["success"] for a in arms],
+        color="k",
+        zorder=3,
+        label="start (warm model)",
+    )
+    ax_row[0].set_xticks(x, [a.replace("/", "\n") for a in arms])
+    ax_row[0].set(title="held-out success (95% CI over seeds)", ylabel="success rate")
+    ax_row[0].legend()
+    for (task, algo), rs in groups(records, "task", "algorithm").items():
+        if task in ("early", "no-early"):
+            _curves(ax_row[1], rs, f"{task} {algo.upper()}")
+    ax_row[1].set(title="training success vs episodes", xlabel="episodes trained", ylabel="reward")
+    ax_row[1].legend()
 
 
 def mismatch_runs(base: Run, steps: int, seeds: int) -> list[Run]:
@@ -640,10 +844,14 @@ class Experiment:
     prepare: Callable[[], None] | None = None  # builds or checks a starting model before the runs
 
 
-def warm_maze_model() -> None:
-    """bench/maze_warmup.py in its own process (reused when it exists)."""
-    cmd = [sys.executable, str(ROOT / "bench" / "maze_warmup.py"), "--out", WARM_MAZE_MODEL]
-    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def warm_model(env: str, out: str) -> Callable[[], None]:
+    """bench/warmup.py for `env` in its own process (reused when `out` exists)."""
+
+    def prepare() -> None:
+        cmd = [sys.executable, str(ROOT / "bench" / "warmup.py"), "--env", env, "--out", out]
+        subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    return prepare
 
 
 def require_smollm2() -> None:
@@ -652,6 +860,17 @@ def require_smollm2() -> None:
 
 
 EXPERIMENTS = {
+    "long_horizon": Experiment(
+        long_horizon_runs,
+        summarize_long_horizon,
+        plot_long_horizon,
+        2,
+        3,
+        "critic PPO beats GRPO on long horizons without early termination and ties with it "
+        "where episodes end early (arXiv 2511.03527); GRPO as good on short tasks",
+        model=WARM_CHAIN_MODEL,
+        prepare=warm_model("chain", WARM_CHAIN_MODEL),
+    ),
     "ppo_vs_grpo": Experiment(
         ppo_vs_grpo_runs,
         summarize_ppo_vs_grpo,
@@ -660,7 +879,7 @@ EXPERIMENTS = {
         3,
         "critic PPO: +22% task completion and 1.8x sample efficiency over GRPO on long "
         "horizons; GRPO as good on short tasks",
-        prepare=warm_maze_model,
+        prepare=warm_model("maze", WARM_MAZE_MODEL),
     ),
     "icepop": Experiment(
         icepop_runs,

@@ -225,6 +225,16 @@ class LearnerConfig:
     critic_lr: float = param(2e-3, "Critic learning rate (AdamW).")
     weight_decay: float = param(0.0, "AdamW weight decay.")
     ppo_epochs: int = param(1, "Passes over each batch.", minimum=1)
+    advantage_norm: Literal["none", "centre", "whiten"] = param(
+        "none",
+        "Policy advantages normalised over the global batch's action tokens: none, centre "
+        "(subtract the mean) or whiten (also divide by the standard deviation). GRPO too.",
+    )
+    lr_warmup_steps: int = param(
+        0,
+        "Optimiser steps over which each model's learning rate rises linearly to its lr (0: none).",
+        minimum=0,
+    )
     micro_batch_tokens: int = param(
         4096, "Tokens per micro-batch (gradient accumulation splits larger batches).", minimum=1
     )
@@ -322,6 +332,24 @@ class RunConfig:
 
 
 @dataclass
+class EvalConfig:
+    episodes: int = param(
+        96, "Held-out instances per evaluation (seeds disjoint from training).", minimum=1
+    )
+    every_versions: int = param(
+        0,
+        "`up`: an evaluator process scores every this-many-th policy version on the held-out set "
+        "while training runs (0: none).",
+        minimum=0,
+    )
+    horizon_buckets: list = param(
+        [5, 15, 50],
+        "Upper edges of the horizon buckets (turns an instance needs) that the held-out set is "
+        "stratified over and scored per: [5, 15, 50] is 1-5, 6-15, 16-50.",
+    )
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
@@ -329,6 +357,7 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
@@ -415,6 +444,19 @@ def _check_learner(lc: LearnerConfig) -> None:
         )
 
 
+def _check_eval(e: EvalConfig) -> None:
+    """Horizon buckets: increasing positive integers."""
+    edges = e.horizon_buckets
+    if (
+        not edges
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in edges)
+        or any(a >= b for a, b in zip(edges[:-1], edges[1:], strict=True))
+    ):
+        raise ConfigError(
+            f"config key 'eval.horizon_buckets' must be increasing positive integers, got {edges!r}"
+        )
+
+
 def _check_groups(cfg: Config) -> None:
     """Across roles: the learner's batch holds whole groups, and GRPO needs groups to compare."""
     if cfg.learner.algorithm == "grpo" and cfg.actor.group_size < 2:
@@ -430,6 +472,7 @@ def validate(cfg: Config) -> Config:
     read, by ``param``)."""
     _check_actor(cfg.actor)
     _check_learner(cfg.learner)
+    _check_eval(cfg.eval)
     _check_groups(cfg)
     return cfg
 

@@ -5,6 +5,8 @@ that needs them, so ``asyncppo --help`` answers at once.
     asyncppo learner --config C.yaml [--resume [auto]] (under torchrun/deepspeed for data parallel)
     asyncppo actor   --config C.yaml                   (join a running system from any host)
     asyncppo up      --config C.yaml [--summary F]     (broker + learner + N actors on this machine)
+    asyncppo eval    --config C.yaml [--model DIR | --broker | --follow] [--out F]
+                                                       (score a policy on held-out instances)
     asyncppo scale   --run-dir D N                     (change the actor count of a running `up`)
     asyncppo keys generate --out DIR --name NAME       (CurveZMQ key pair)
     asyncppo model prepare NAME [--out DIR]            (convert a packaged model to a HF directory)
@@ -65,6 +67,25 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--actors", type=int, default=None, help="number of actors (default: run.num_actors)"
     )
+    _common(
+        ev := sub.add_parser(
+            "eval", help="score a policy on held-out instances, pinned to a version"
+        )
+    )
+    which = ev.add_mutually_exclusive_group()
+    which.add_argument(
+        "--model", help="a Hugging Face directory (e.g. learner.export_dir); default: model.path"
+    )
+    which.add_argument(
+        "--broker", action="store_true", help="the newest version the broker (actor.broker) holds"
+    )
+    which.add_argument(
+        "--follow",
+        action="store_true",
+        help="an evaluator beside training: every eval.every_versions-th version the broker "
+        "publishes, appended to <run dir>/eval.jsonl, until stopped",
+    )
+    ev.add_argument("--out", help="write the result (with every episode) as JSON here")
     sc = sub.add_parser("scale", help="set the number of actors of a running `asyncppo up`")
     sc.add_argument("--run-dir", required=True, help="run.out_dir of the running `up`")
     sc.add_argument("actors", type=int)
@@ -124,6 +145,50 @@ def prepare(name: str, out: str) -> int:
     return 0
 
 
+def run_eval(cfg: Any, args: argparse.Namespace) -> int:
+    """`asyncppo eval`: one evaluation of a model directory or of the broker's newest version
+    (printed, and written whole with --out), or --follow: evaluate alongside training."""
+    import json
+
+    from actors.engines import engine_for
+    from actors.episode import ChatFormat
+    from actors.evaluation import evaluate, fetch_version, follow, held_out_instances
+    from common.model import load_tokenizer
+
+    _, health = _serve_role("eval", args, cfg)
+    path = args.model or cfg.model.path
+    try:
+        engine = engine_for(cfg.actor, path)
+        fmt = ChatFormat(load_tokenizer(path))
+    except (OSError, ValueError) as exc:
+        print(f"asyncppo eval: model {path!r}: {exc}", file=sys.stderr)
+        return 2
+    if args.follow:
+        follow(cfg, engine, fmt, health, _stop_flag(), Path(cfg.run.out_dir) / "eval.jsonl")
+        return 0
+    if args.broker and not fetch_version(cfg, engine):
+        print(f"asyncppo eval: broker {cfg.actor.broker} holds no weights", file=sys.stderr)
+        return 1
+    result = evaluate(cfg, engine, fmt, held_out_instances(cfg, cfg.eval.episodes))
+    if not args.broker:  # a model directory is not a published version
+        result["version"] = None
+    result["model"] = "broker" if args.broker else path
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    lo, hi = result["success_ci95"]
+    print(
+        f"{'version ' + str(result['version']) if args.broker else path}: {result['episodes']} held-out {result['env']} instances: "
+        f"success {result['success']:.3f} [{lo:.3f}, {hi:.3f}], reward {result['reward']:.3f}"
+    )
+    for bucket, b in result["buckets"].items():
+        lo, hi = b["success_ci95"]
+        print(
+            f"  horizon {bucket:>6}: success {b['success']:.3f} [{lo:.3f}, {hi:.3f}] (n={b['episodes']})"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from common.config import ConfigError, load_config, reference_markdown, to_dict
@@ -159,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             end="",
         )
         return 0
-    if args.command in ("up", "actor"):
+    if args.command in ("up", "actor", "eval"):
         from actors.envs import make_env
 
         try:  # before any process starts: a bad actor.env is a config error, named
@@ -196,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         _, health = _serve_role("actor", args, cfg, actor_id=actor_id(cfg))
         Actor(cfg, health).run(_stop_flag())
         return 0
+    if args.command == "eval":
+        return run_eval(cfg, args)
     from learner.trainer import Learner
 
     rank = int(os.environ.get("RANK", "0"))

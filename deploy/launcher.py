@@ -59,7 +59,9 @@ class Launcher:
         base = self.cfg.run.metrics_base_port
         if not base:
             return None
-        return {"broker": base, "learner": base + 1}.get(role, base + 10 + self.next_actor)
+        return {"broker": base, "learner": base + 1, "eval": base + 2}.get(
+            role, base + 10 + self.next_actor
+        )
 
     def start(self) -> None:
         from common.model import ensure_model
@@ -69,6 +71,10 @@ class Launcher:
         )  # once, before the roles race for it
         self.broker = self._spawn("broker", "broker", [])
         self.learner = self._spawn("learner", "learner", [])
+        # Held-out evaluation beside training: a process that takes no permits and sends nothing.
+        self.evaluator = (
+            self._spawn("eval", "eval", ["--follow"]) if self.cfg.eval.every_versions else None
+        )
         self.scale_to(self.target)
         self.stats_client = Client(
             Endpoint(self.cfg.security, self.cfg.broker.max_message_bytes),
@@ -101,10 +107,10 @@ class Launcher:
         return stats
 
     def steps(self) -> list[dict]:
-        path = self.run_dir / "learner_steps.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_jsonl(self.run_dir / "learner_steps.jsonl")
+
+    def evals(self) -> list[dict]:
+        return read_jsonl(self.run_dir / "eval.jsonl")
 
     def progress(self, t0: float) -> None:
         steps, stats = self.steps(), self.broker_stats()
@@ -116,13 +122,16 @@ class Launcher:
                 flush=True,
             )
             return
-        s = steps[-1]
+        s, evals = steps[-1], self.evals()
         total = self.cfg.learner.total_steps or "∞"
+        held_out = (
+            f" | held-out {evals[-1]['success']:.3f} @v{evals[-1]['version']}" if evals else ""
+        )
         print(
             f"[up] {time.monotonic() - t0:6.1f}s step {s['step'] + 1}/{total} | version {s['version']} | "
             f"reward {s['reward_mean']:.3f} | {s['tokens_per_second']:.0f} tok/s | staleness max "
             f"{s['max_staleness']} | kept {s['icepop_kept_fraction']:.3f} | actors {stats.get('actors', '?')} | "
-            f"queued {stats.get('queued_episodes', '?')}",
+            f"queued {stats.get('queued_episodes', '?')}{held_out}",
             flush=True,
         )
 
@@ -156,6 +165,8 @@ class Launcher:
 
     def shutdown(self) -> dict[str, Any]:
         stop(self.learner)
+        if self.evaluator is not None:
+            stop(self.evaluator)
         stats = self.broker_stats()
         for proc in self.actors.values():
             proc.send_signal(signal.SIGTERM)
@@ -167,7 +178,7 @@ class Launcher:
         return final
 
     def summary(self, stats: dict[str, Any], wall: float) -> dict[str, Any]:
-        steps = self.steps()
+        steps, evals = self.steps(), self.evals()
         rewards = [r for s in steps for r in s["episode_rewards"]]
         k = max(1, len(rewards) // 5)
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
@@ -187,7 +198,18 @@ class Launcher:
             "rejected_invalid": stats.get("rejected_invalid", 0),
             "icepop_kept_fraction_mean": mean([s["icepop_kept_fraction"] for s in steps]),
             "wall_seconds": round(wall, 2),
+            # Held-out success of the first and last evaluated versions (eval.every_versions).
+            "eval": [
+                {k: e[k] for k in ("version", "success", "success_ci95", "episodes")}
+                for e in (evals[:1] + evals[-1:] if len(evals) > 1 else evals)
+            ],
         }
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def read_target(path: Path, default: int) -> int:

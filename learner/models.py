@@ -66,6 +66,13 @@ class Policy(nn.Module):
         return self.policy(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
+def _log_softmax(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """log pi(. | tokens_<t) for t >= 1, [B, T-1, V], at each row's sampling temperature."""
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.to(logits.device, torch.float32)[:, None, None]
+    return torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+
+
 def token_logprobs(
     logits: torch.Tensor, input_ids: torch.Tensor, temperature: float | torch.Tensor
 ) -> torch.Tensor:
@@ -75,11 +82,20 @@ def token_logprobs(
     all rows, or a [B] tensor: segments carry their own), so the learner scores every token under
     the distribution its engine sampled it from.
     """
-    if isinstance(temperature, torch.Tensor):
-        temperature = temperature.to(logits.device, torch.float32)[:, None, None]
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    picked = _log_softmax(logits, temperature).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     return torch.nn.functional.pad(picked, (1, 0))
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_logprobs`` and the entropy H_t = -Σ_v pi(v) log pi(v) of the distribution token t
+    was chosen from, aligned the same way, from one log-softmax (the scoring pass needs both)."""
+    logp = _log_softmax(logits, temperature)
+    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    entropy = torch.special.entr(logp.exp()).sum(-1)  # -p log p, 0 where p = 0
+    pad = lambda x: torch.nn.functional.pad(x, (1, 0))  # noqa: E731
+    return pad(picked), pad(entropy)
 
 
 def shift_to_tokens(values: torch.Tensor) -> torch.Tensor:

@@ -20,10 +20,17 @@ import torch
 
 from common.config import LearnerConfig
 from common.trajectory import Segment
-from learner.algorithms import ESTIMATORS, Scores, Targets, behavior_weights
+from learner.algorithms import ADVANTAGE_NORMS, ESTIMATORS, Scores, Targets, behavior_weights
 from learner.batch import Batch
 from learner.losses import clip_schedule, kl_penalty, ppo_policy_loss, value_loss
-from learner.models import Critic, Policy, PolicyWithValue, shift_to_tokens, token_logprobs
+from learner.models import (
+    Critic,
+    Policy,
+    PolicyWithValue,
+    shift_to_tokens,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 
 
 class Engine(Protocol):
@@ -129,7 +136,9 @@ class TrainStep:
     ) -> tuple[dict[str, float], float]:
         """The step's statistics, and the global batch's action tokens."""
         scores = self.score(batch)
-        targets = ESTIMATORS[self.lc.algorithm](batch, scores, episodes, self.lc)
+        targets, moments = self._normalised(
+            batch, ESTIMATORS[self.lc.algorithm](batch, scores, episodes, self.lc)
+        )
         weights, keeps = behavior_weights(batch, scores.prox, self.lc)
         (n_tokens,) = self.reduce([float(batch.num_action_tokens)], "sum")
         mbs = batch.micro_batches(self.lc.micro_batch_tokens)
@@ -143,23 +152,52 @@ class TrainStep:
             micro_batches=mbs,
             n_micro=int(self.reduce([float(len(mbs))], "max")[0]),
         )
-        losses = self._optimise(step, train_policy=index >= self.lc.critic_warmup_steps)
-        return {**self._statistics(step, keeps, losses), "clip": step.clip}, n_tokens
+        # A batch whose every kept advantage is 0 (GRPO groups that all tie) has a zero policy
+        # gradient, yet Adam's momentum would still move the policy: no policy step then.
+        signal = float((targets.advantages * (weights != 0)).abs().max()) if len(batch) else 0.0
+        (signal,) = self.reduce([signal], "max")
+        train_policy = index >= self.lc.critic_warmup_steps and signal > 0
+        losses = self._optimise(step, train_policy=train_policy)
+        moved = train_policy or self.models.shared
+        (kl,) = self.reduce([self._update_kl(step) if moved else 0.0], "sum")
+        return {
+            **self._statistics(step, keeps, losses),
+            **moments,
+            "policy_updated": float(train_policy),
+            "update_kl": kl / step.denominator,
+            "clip": step.clip,
+        }, n_tokens
+
+    def _normalised(self, batch: Batch, targets: Targets) -> tuple[Targets, dict[str, float]]:
+        """Advantages normalised by ``learner.advantage_norm`` with the global batch's action-token
+        mean and standard deviation, and those two (before normalisation) for the step log."""
+        mask = batch.action_mask
+        a = targets.advantages[mask].double()
+        n, total, squares = self.reduce(
+            [float(a.numel()), float(a.sum()), float((a**2).sum())], "sum"
+        )
+        mean = total / max(n, 1.0)
+        std = max(squares / max(n, 1.0) - mean**2, 0.0) ** 0.5
+        adv = ADVANTAGE_NORMS[self.lc.advantage_norm](targets.advantages, mean, std)
+        return targets._replace(advantages=torch.where(mask, adv, 0.0)), {
+            "advantage_mean": mean,
+            "advantage_std": std,
+        }
 
     # ------------------------------------------------------------ the model
     def _forward(
         self, ids: torch.Tensor, attn: torch.Tensor, temps: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One pass per model: policy log-probs [B,T] aligned to tokens, each row at its own
-        sampling temperature, and the critic's raw outputs [B,T] (index t = the state after
-        token t; None without a critic)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One pass per model: policy log-probs and entropies [B,T] aligned to tokens, each row at
+        its own sampling temperature, and the critic's raw outputs [B,T] (index t = the state
+        after token t; None without a critic)."""
         m = self.models
         if m.shared:
             logits, raw = m.policy(ids, attn)
         else:
             logits = m.policy(ids, attn)
             raw = m.critic(ids, attn) if m.critic is not None else None
-        return token_logprobs(logits, ids, temps), raw
+        return *token_logprobs_and_entropy(logits, ids, temps), raw
 
     @torch.no_grad()
     def score(self, batch: Batch) -> Scores:
@@ -171,12 +209,13 @@ class TrainStep:
         prox, values = torch.zeros(batch.tokens.shape), torch.zeros(batch.tokens.shape)
         end_values = torch.zeros(len(batch))
         ref = torch.zeros(batch.tokens.shape) if self.models.reference is not None else None
+        entropy = torch.zeros(batch.tokens.shape)
         for rows in batch.micro_batches(self.lc.micro_batch_tokens):
             self.beat("scoring the batch")
             ids, attn, temps = batch.inputs(rows, self.device)
-            lp, raw = self._forward(ids, attn, temps)
+            lp, h, raw = self._forward(ids, attn, temps)
             width = ids.shape[1]
-            prox[rows, :width] = lp.cpu()
+            prox[rows, :width], entropy[rows, :width] = lp.cpu(), h.cpu()
             if raw is not None:
                 values[rows, :width] = shift_to_tokens(raw).cpu()
                 end_values[rows] = raw.cpu()[torch.arange(len(rows)), batch.lengths[rows] - 1]
@@ -184,7 +223,7 @@ class TrainStep:
                 ref[rows, :width] = token_logprobs(
                     self.models.reference(ids, attn), ids, temps
                 ).cpu()
-        return Scores(prox, values, end_values, ref)
+        return Scores(prox, values, end_values, ref, entropy)
 
     # ------------------------------------------------------------ optimise
     def _optimise(self, step: Step, *, train_policy: bool) -> dict[str, float]:
@@ -198,13 +237,28 @@ class TrainStep:
                 for _ in range(lc.critic_updates):
                     terms, _ = self._micro_steps(m.critic, step, self._critic_loss)
                     sums["value_loss"] += terms.get("value_loss", 0.0) / lc.critic_updates
-            if train_policy or m.shared:
+            if train_policy or m.shared:  # a shared trunk still learns the value loss
                 terms, grad_norm = self._micro_steps(
                     m.policy, step, lambda s, rows: self._policy_loss(s, rows, train_policy)
                 )
                 for key, value in terms.items():
                     sums[key] += value
         return {**{k: v / lc.ppo_epochs for k, v in sums.items()}, "grad_norm": grad_norm}
+
+    @torch.no_grad()
+    def _update_kl(self, step: Step) -> float:
+        """Σ over this rank's action tokens of k3 = (r − 1) − log r, r = π_new/π_prox: how far the
+        step moved the policy on its own batch (with one epoch PPO's approx_kl is 0 by
+        construction, so only this says it). One no-grad policy pass."""
+        b, m, total = step.batch, self.models, 0.0
+        for rows in step.micro_batches:
+            self.beat("measuring the update")
+            ids, attn, temps = b.inputs(rows, self.device)
+            out = m.policy(ids, attn)
+            log_r = token_logprobs(out[0] if m.shared else out, ids, temps).cpu()
+            log_r = log_r - b.take(step.scores.prox, rows)
+            total += float(((log_r.exp() - 1) - log_r)[b.take(b.action_mask, rows)].double().sum())
+        return total
 
     def _micro_steps(
         self,
@@ -316,6 +370,8 @@ class TrainStep:
             **{k: losses[k] for k in LOSS_TERMS},
             "kept": float(keeps.sum()),
             "weight_sum": float(ratios.double().sum()),
+            "entropy_sum": float(step.scores.entropy[mask].double().sum()),
+            "zero_advantage": float((step.targets.advantages[mask] == 0).sum()),
             **dict(
                 zip(
                     VALUE_SUMS,
@@ -329,6 +385,8 @@ class TrainStep:
         return {
             **{k: g[k] for k in LOSS_TERMS},
             "icepop_kept_fraction": g["kept"] / step.denominator,
+            "entropy": g["entropy_sum"] / step.denominator,
+            "zero_advantage_fraction": g["zero_advantage"] / step.denominator,
             "importance_weight_mean": g["weight_sum"] / step.denominator,
             "importance_weight_max": self.reduce([weight_max], "max")[0],
             "explained_variance": (

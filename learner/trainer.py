@@ -82,6 +82,11 @@ GAUGES = {
         "importance_weight_max": "Largest behavior weight pi_prox/mu in the batch.",
         "explained_variance": "1 - Var(R - V) / Var(R) of the critic.",
         "grad_norm": "Policy gradient norm before clipping.",
+        "entropy": "Mean entropy of pi_prox over the batch's action tokens (nats).",
+        "update_kl": "k3 estimate of KL(pi_prox || pi_new) on the batch after the step: how far it moved.",
+        "advantage_mean": "Mean policy advantage over action tokens, before normalisation.",
+        "zero_advantage_fraction": "Share of action tokens whose advantage is exactly 0 (GRPO: tied groups).",
+        "lr": "Policy learning rate of the next step (the warm-up schedule).",
         "reward_mean": "Mean episode reward of the last batch.",
     }.items()
 }
@@ -115,7 +120,9 @@ class Learner:
 
         def engine(module: torch.nn.Module, lr: float) -> Any:
             opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=self.lc.weight_decay)
-            return deepspeed.initialize(model=module, optimizer=opt, config=ds_config)[0]
+            return deepspeed.initialize(
+                model=module, optimizer=opt, lr_scheduler=self._warmup, config=ds_config
+            )[0]
 
         models = build_models(self.lc, cfg.model.path, dtype, engine)
         self.policy, self.critic = models.policy, models.critic
@@ -155,6 +162,12 @@ class Learner:
         )
 
     # ------------------------------------------------------------ the model
+    def _warmup(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        """Linear learning-rate warm-up over the first ``lr_warmup_steps`` optimiser steps (lr/k,
+        2·lr/k, …, lr); DeepSpeed steps it after every optimiser step and checkpoints it."""
+        k = self.lc.lr_warmup_steps
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / max(k, 1)))
+
     def _policy_module(self) -> torch.nn.Module:
         return self.policy.module.policy
 
@@ -254,7 +267,11 @@ class Learner:
             [s for ep in data.split_for_rank(episodes, self.rank, self.world) for s in ep]
         )
         stats, n_tokens = self.steps(mine, episodes, self.step)
-        return {**stats, **self._batch_facts(batch, episodes, n_tokens, time.monotonic() - t0)}
+        return {
+            **stats,
+            "lr": float(self.policy.get_lr()[0]),
+            **self._batch_facts(batch, episodes, n_tokens, time.monotonic() - t0),
+        }
 
     def _batch_facts(
         self, batch: list[Segment], episodes: list[list[Segment]], tokens: float, seconds: float

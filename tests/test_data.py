@@ -237,7 +237,7 @@ def test_grpo_targets_broadcast_the_group_advantage_to_action_tokens():
     segs = [s for ep in episodes for s in ep]
     batch = Batch.of(segs)
     zeros = torch.zeros(batch.tokens.shape)
-    scores = Scores(zeros, zeros, torch.zeros(len(segs)), None)
+    scores = Scores(zeros, zeros, torch.zeros(len(segs)), None, zeros)
     lc = load_config(None, ["learner.algorithm=grpo", "actor.group_size=2"]).learner
     adv = ESTIMATORS["grpo"](batch, scores, episodes, lc).advantages
     expected = {"a": 1.0, "b": -1.0, "d": 0.0, "e": 0.0, "c": 0.0}

@@ -17,7 +17,7 @@ from actors.envs.tooluse import parse_cases, run_cases
 
 
 def test_registry_builds_every_env_with_the_protocol():
-    assert ENV_NAMES == ("digits", "maze", "tooluse", "arith")
+    assert ENV_NAMES == ("digits", "maze", "tooluse", "arith", "chain")
     for name in ENV_NAMES:
         env = make_env(name)
         assert isinstance(env, Environment)
@@ -26,7 +26,7 @@ def test_registry_builds_every_env_with_the_protocol():
 
 
 def test_registry_rejects_unknown_names_and_kwargs():
-    with pytest.raises(ValueError, match="known: digits, maze, tooluse, arith"):
+    with pytest.raises(ValueError, match="known: digits, maze, tooluse, arith, chain"):
         make_env("chess")
     with pytest.raises(TypeError, match=r"unknown argument\(s\) turns; accepted: max_turns"):
         make_env("maze", turns=10)
@@ -65,6 +65,7 @@ SCRIPTS = {
     "arith": ["12"],
     "maze": ["R", "U", "bogus", "L", "D", "R"],
     "tooluse": ["ls", "read src/main.py", "run_checks", "write src/main.py def f(x): return x"],
+    "chain": ["U", "D", "L", "R"],
 }
 
 
@@ -88,6 +89,79 @@ def test_episodes_are_deterministic_given_the_seed(name):
         env.reset(seed)
         states.add(env.compact())  # the state summary shows what the seed chose
     assert len(states) >= 10
+
+
+# ---------------------------------------------------------------- chain
+
+
+def _hint(observation: str) -> str:
+    return re.search(r"Hint: \[([UDLR])\]", observation)[1]
+
+
+def test_chain_horizons_are_log_uniform_from_two_to_fifty():
+    env = make_env("chain")
+    horizons = []
+    for seed in range(3000):
+        env.reset(seed)
+        horizons.append(env.horizon)
+    assert min(horizons) == 2 and max(horizons) == 50
+    buckets = [sum(lo <= h <= hi for h in horizons) for lo, hi in ((2, 5), (6, 15), (16, 50))]
+    assert all(abs(b - 1000) < 150 for b in buckets), buckets  # equal mass per log-range
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_chain_following_the_hints_wins_after_exactly_n_turns(early):
+    env = make_env("chain", early_termination=early)
+    observation = env.reset(7)
+    n = env.horizon
+    for turn in range(1, n + 1):
+        assert f"Step {turn}/{n}" in observation
+        result = env.step(_hint(observation) + "\n")
+        observation = result.observation
+    assert (result.reward, result.terminated, result.info["turns"]) == (1.0, True, n)
+
+
+def test_chain_wrong_answer_ends_or_costs_a_turn():
+    early = make_env("chain", early_termination=True)
+    observation = early.reset(3)
+    wrong = next(c for c in "UDLR" if c != _hint(observation))
+    result = early.step(wrong)
+    assert (result.reward, result.terminated, result.observation) == (0.0, True, "")
+    late = make_env("chain", early_termination=False, slack=0.5)
+    observation = late.reset(3)
+    n = late.horizon
+    budget = n + -(-n // 2)
+    result = late.step(next(c for c in "UDLR" if c != _hint(observation)))
+    assert not result.terminated and "Wrong. Step 1/" in result.observation
+    assert f"turn 2/{budget}" in result.observation
+    for _ in range(budget - 1):  # always wrong: the budget runs out, a terminal failure
+        result = late.step("x")
+    assert (result.reward, result.terminated, result.info["wrong_answers"]) == (0.0, True, budget)
+
+
+def test_chain_compaction_keeps_the_state_and_the_hint():
+    env = make_env("chain", early_termination=False)
+    observation = env.reset(5)
+    observation = env.step(_hint(observation)).observation
+    summary = env.compact()
+    assert "Step 2/" in summary and _hint(summary) == _hint(observation) and "turn 2/" in summary
+
+
+def test_chain_coin_flip_control_pays_a_coin_whatever_the_answers():
+    outcomes: dict[str, list[tuple[bool, float]]] = {"follow": [], "wrong": []}
+    for policy, played in outcomes.items():
+        for _ in range(300):  # one instance, played again and again: only the coin varies
+            env = make_env("chain", max_turns=3, coin_flip=True)
+            observation, result = env.reset(11), None
+            while result is None or not result.terminated:
+                hint = _hint(observation)
+                result = env.step(hint if policy == "follow" else ("U" if hint != "U" else "D"))
+                observation = result.observation or observation
+            played.append((result.info["success"], result.reward))
+    assert all(success for success, _ in outcomes["follow"])
+    assert not any(success for success, _ in outcomes["wrong"])
+    for played in outcomes.values():  # a fair coin either way: 300 tosses, 6 sigma = +-52
+        assert 98 < sum(reward for _, reward in played) < 202
 
 
 # ---------------------------------------------------------------- digits

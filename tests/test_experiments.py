@@ -114,6 +114,22 @@ def test_final_reward_and_smoothing():
 
 
 @pytest.mark.slow
+def test_long_horizon_quick(tmp_path):
+    report = run_quick("long_horizon", tmp_path)
+    arms = {(r["labels"]["task"], r["labels"]["algorithm"]) for r in report["runs"]}
+    assert arms == {
+        (t, a) for t in ("early", "no-early", "coin-flip", "short") for a in ("ppo", "grpo")
+    }
+    for r in report["runs"]:  # every run scored on the held-out set before and after training
+        start, final = r["held_out"]["start"], r["held_out"]["final"]
+        assert start["episodes"] == final["episodes"] == 48
+        assert final["version"] is None and 0 <= final["success"] <= 1
+    summary = report["summary"]
+    assert set(summary["early/ppo"]["final_by_horizon"]) == {"1-5", "6-15", "16-50"}
+    assert set(summary["short/grpo"]["final_by_horizon"]) == {"1-1", "2-3"}
+
+
+@pytest.mark.slow
 def test_ppo_vs_grpo_quick(tmp_path):
     report = run_quick("ppo_vs_grpo", tmp_path)
     assert {(r["labels"]["task"], r["labels"]["algorithm"]) for r in report["runs"]} == {
@@ -171,7 +187,7 @@ def test_async_quick(tmp_path):
 
 
 def test_maze_warmup_demonstrations_type_the_hint_and_mask_only_actions(tiny_model):
-    warmup = _load_bench("maze_warmup")
+    warmup = _load_bench("warmup")
     tokenizer = load_tokenizer(tiny_model)
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for hint_rate, expected in ((1.0, 1.0), (0.0, 0.25)):

@@ -37,10 +37,11 @@ from common.transport import TransportError
 from common.weights import pack_state_dict, unpack_state_dict
 from deploy.cli import build_parser
 from learner import data
+from learner.algorithms import Targets
 from learner.batch import Batch
 from learner.link import PUBLISH_GROUP
 from learner.models import Policy, token_logprobs
-from learner.step import clip_epsilon, explained_variance, value_sums
+from learner.step import TrainStep, clip_epsilon, explained_variance, value_sums
 from learner.trainer import Learner
 
 COMPARED = (
@@ -425,6 +426,64 @@ def test_grpo_trains_on_group_advantages_without_a_critic(new_learner, tiny_mode
     stats = learner.train_step(on_policy(grpo_batch([1.0, 0.0, 0.0, 1.0]), tiny_model))
     assert changed(before, snapshot(learner))
     assert stats["value_loss"] == 0.0 and stats["grad_norm"] > 0
+    assert stats["policy_updated"] == 1.0 and stats["update_kl"] > 0
+    # Ties again: the gradient is 0, and Adam's momentum from the last step must not move it.
+    moved = snapshot(learner)
+    stats = learner.train_step(on_policy(grpo_batch([1.0, 1.0, 0.0, 0.0]), tiny_model))
+    assert not changed(moved, snapshot(learner)), "a step with no signal moved the policy"
+    assert stats["policy_updated"] == 0.0 and stats["update_kl"] == 0.0
+    assert stats["zero_advantage_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("norm", ["none", "centre", "whiten"])
+def test_advantage_normalisation_uses_the_action_tokens_only(norm):
+    """Centred: mean 0 over action tokens; whitened: also std 1; observations and padding stay 0."""
+    lc = load_config(None, [f"learner.advantage_norm={norm}"]).learner
+    batch = Batch.of([s for ep in data.group_episodes(fixed_batch()) for s in ep])
+    mask = batch.action_mask
+    raw = torch.where(mask, torch.linspace(-1.0, 3.0, mask.numel()).reshape(mask.shape), 0.0)
+    zeros = torch.zeros(mask.shape)
+    targets, moments = TrainStep(lc, None, device="cpu")._normalised(batch, Targets(raw, zeros))
+    adv = targets.advantages
+    assert moments["advantage_mean"] == pytest.approx(float(raw[mask].double().mean()), abs=1e-6)
+    assert moments["advantage_std"] == pytest.approx(
+        float(raw[mask].double().std(unbiased=False)), abs=1e-6
+    )
+    assert adv[~mask].abs().max() == 0.0
+    if norm == "none":
+        assert torch.equal(adv, raw)
+    else:
+        assert float(adv[mask].double().mean()) == pytest.approx(0.0, abs=1e-5)
+        spread = float(adv[mask].double().std(unbiased=False))
+        expected = 1.0 if norm == "whiten" else moments["advantage_std"]
+        assert spread == pytest.approx(expected, rel=1e-5)
+
+
+def test_learning_rate_warms_up_linearly_over_optimiser_steps(new_learner, tiny_model):
+    learner = new_learner("learner.lr_warmup_steps=4", "learner.lr=1e-3")
+    assert learner.policy.get_lr()[0] == pytest.approx(0.25e-3)
+    assert learner.critic.get_lr()[0] == pytest.approx(0.25 * learner.lc.critic_lr)
+    stats = learner.train_step(on_policy(fixed_batch(), tiny_model))
+    assert stats["lr"] == pytest.approx(0.5e-3)  # what the next step uses
+    for _ in range(3):
+        stats = learner.train_step(on_policy(fixed_batch(), tiny_model))
+    assert stats["lr"] == pytest.approx(1e-3)
+
+
+def test_the_step_reports_the_entropy_of_pi_prox_on_action_tokens(new_learner, tiny_model):
+    learner = new_learner()
+    batch = on_policy(fixed_batch(), tiny_model)
+    policy = Policy(str(tiny_model), torch.float32).eval()
+    entropies = []
+    with torch.no_grad():
+        for seg in batch:
+            ids = torch.from_numpy(seg.tokens.astype("int64"))[None]
+            p = torch.softmax(policy(ids, torch.ones_like(ids))[0, :-1], dim=-1)
+            h = -(p * p.log()).sum(-1)  # H of the distribution token t+1 was chosen from
+            entropies.append(h[torch.from_numpy(seg.action_mask[1:].astype(bool))])
+    stats = learner.train_step(batch)
+    assert stats["entropy"] == pytest.approx(float(torch.cat(entropies).mean()), rel=1e-4)
+    assert stats["update_kl"] > 0 and stats["policy_updated"] == 1.0
 
 
 def test_shared_critic_trains_the_value_head_on_the_policy_trunk(new_learner, tiny_model):

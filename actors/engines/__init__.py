@@ -6,9 +6,18 @@ from __future__ import annotations
 from actors.engines.base import Engine, Generation, SamplingParams
 from actors.engines.simulated import SimulatedEngine
 from actors.engines.torch_engine import TorchEngine
+from common.config import ActorConfig
 
 ENGINE_NAMES = ("torch", "sglang", "simulated")
-__all__ = ["ENGINE_NAMES", "Engine", "Generation", "SamplingParams", "TorchEngine", "make_engine"]
+__all__ = [
+    "ENGINE_NAMES",
+    "Engine",
+    "Generation",
+    "SamplingParams",
+    "TorchEngine",
+    "engine_for",
+    "make_engine",
+]
 
 
 def make_engine(name: str, model_path: str, **kwargs: object) -> Engine:
@@ -24,3 +33,11 @@ def make_engine(name: str, model_path: str, **kwargs: object) -> Engine:
 
         return SGLangEngine(model_path, **kwargs)
     raise ValueError(f"engine {name!r} is unknown; choose one of {ENGINE_NAMES}")
+
+
+def engine_for(ac: ActorConfig, model_path: str) -> Engine:
+    """The engine the actor config asks for (``actor.engine``, its dtype and KV policy)."""
+    options: dict = {} if ac.engine_dtype == "auto" else {"dtype": ac.engine_dtype}
+    if ac.engine == "torch":
+        options["on_swap"] = ac.kv_on_weight_swap
+    return make_engine(ac.engine, model_path, **options)

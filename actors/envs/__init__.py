@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from actors.envs.arith import ArithEnv
 from actors.envs.base import Environment, StepResult
+from actors.envs.chain import ChainEnv
 from actors.envs.digits import DigitsEnv
 from actors.envs.maze import MazeEnv
 from actors.envs.tooluse import ToolUseEnv
@@ -24,6 +25,7 @@ _REGISTRY: dict[str, Callable[..., Environment]] = {
     "maze": MazeEnv,
     "tooluse": ToolUseEnv,
     "arith": ArithEnv,
+    "chain": ChainEnv,
 }
 ENV_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 MEMBERS = ("name", "max_new_tokens", "stop", "reset", "step", "compact")

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 Info = dict[str, float | int | str | bool]
+
+HELD_OUT = (
+    1 << 31
+)  # instance seeds: bit 31 set on held-out ones (evaluation), clear on training ones
+
+
+def train_seed(key: str) -> int:
+    """A training instance's seed from a key (base seed, actor, episode count): bit 31 clear,
+    so no training episode ever plays a held-out instance."""
+    return zlib.crc32(key.encode()) & (HELD_OUT - 1)
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,11 @@ class MazeEnv:
             f"{self._facts()} You are at {_fmt(self._position)}.{self._hint()}"
         )
 
+    @property
+    def horizon(self) -> int | None:
+        """Turns the instance needs (its shortest solution); evaluation stratifies by it."""
+        return self._layout.optimal_turns if self._layout is not None else None
+
     def step(self, action: str) -> StepResult:
         action = check_step(self.name, self._running, action)
         layout = self._layout

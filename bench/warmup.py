@@ -1,4 +1,4 @@
-"""The maze experiments' starting model: the tiny model after a short supervised warm-up.
+"""The long-horizon experiments' starting models: the tiny model after a short supervised warm-up.
 
 RL post-training starts from a model that already answers in the task's format and follows
 instructions somewhat. The built-in random-init tiny model does neither: about 8% of its
@@ -6,15 +6,16 @@ vocabulary starts with a move letter, so on a sparse-reward 2-50 turn maze it al
 reaches a door and neither PPO nor GRPO has anything to reinforce (0.5% of episodes over 25
 steps at a 20-turn budget, measured).
 
-The warm-up is next-token training on the action tokens of real maze episodes, rendered with
-the chat template the actors use, in which a demonstrator types the observation's hint (a move
-letter, then the end of turn). It is stopped early (100 steps): the warmed model answers with a
-move on every turn but follows the hint only part of the time, so it solves a fraction of the
-mazes, and whatever it gains over its step-0 success rate it learns by RL. (A demonstrator that
-follows the hint 30% of the time and moves at random otherwise does not work here: the 100k
-parameter model then learns the letter frequencies, never the copy.)
+The warm-up is next-token training on the action tokens of real episodes of the environment
+(`maze` or `chain`: both show a hint, `Hint: [U]`), rendered with the chat template the actors
+use, in which a demonstrator types the observation's hint (a move letter, then the end of turn).
+It is stopped early (`STEPS`): the warmed model answers with a move on every turn but follows
+the hint only part of the time, so it solves a fraction of the instances (mostly short ones),
+and whatever it gains over its step-0 success rate it learns by RL. (A demonstrator that follows
+the hint 30% of the time and moves at random otherwise does not work here: the 100k parameter
+model then learns the letter frequencies, never the copy.)
 
-    python bench/maze_warmup.py [--out runs/models/tiny-maze-warm]
+    python bench/warmup.py [--env maze|chain] [--out runs/models/tiny-<env>-warm]
 
 Deterministic for a given seed and built once (an existing directory is reused).
 """
@@ -28,22 +29,31 @@ from pathlib import Path
 
 import torch
 
-from actors.envs.maze import MazeEnv
+from actors.envs import make_env
 from actors.episode import ChatFormat
 from common.model import ensure_model, load_causal_lm, load_tokenizer
 
 BASE_MODEL = "runs/models/tiny"
 OUT = "runs/models/tiny-maze-warm"
+# Every instance prints its hint: the demonstrator always has a letter to type.
+ENVS = {
+    "maze": {"max_turns": 50, "hint_max_turns": 50, "action_tokens": 2},
+    "chain": {"max_turns": 50, "early_termination": False},
+}
+# Where each warm-up stops. The tiny model learns the copy abruptly: on chain, 160 steps give
+# held-out success 0.00, 220 steps 0.15 (0.31 / 0.13 / 0.00 at 1-5 / 6-15 / 16-50 turns) and 400
+# steps 0.88, so 220 leaves RL the long instances to learn (measured with `asyncppo eval`).
+STEPS = {"maze": 100, "chain": 220}
 
 
 def demonstrations(
-    tokenizer, *, episodes: int, turns: int, hint_rate: float, seed: int
+    tokenizer, *, episodes: int, turns: int, hint_rate: float, seed: int, env: str = "maze"
 ) -> list[tuple[list[int], list[int]]]:
-    """(token ids, action mask) of maze episodes whose moves follow the hint with probability
+    """(token ids, action mask) of `env` episodes whose moves follow the hint with probability
     `hint_rate` and are uniformly random otherwise."""
     fmt, rng = ChatFormat(tokenizer), random.Random(seed)
     end_of_turn = fmt.stop_token_ids[0]
-    env = MazeEnv(max_turns=50, hint_max_turns=50, action_tokens=2)
+    env = make_env(env, **ENVS[env])
     transcripts = []
     for episode in range(episodes):
         observation = env.reset(seed=seed * 1_000_003 + episode)
@@ -68,9 +78,10 @@ def demonstrations(
 def warm_up(
     out: str | Path = OUT,
     *,
+    env: str = "maze",
     episodes: int = 256,
     turns: int = 6,
-    steps: int = 100,
+    steps: int | None = None,
     batch: int = 16,
     lr: float = 3e-3,
     hint_rate: float = 1.0,
@@ -80,10 +91,13 @@ def warm_up(
     out = Path(out)
     if (out / "config.json").exists():
         return out
+    steps = steps or STEPS[env]
     torch.manual_seed(seed)
     base = ensure_model(BASE_MODEL, builtin="tiny")
     tokenizer, model = load_tokenizer(base), load_causal_lm(base)
-    data = demonstrations(tokenizer, episodes=episodes, turns=turns, hint_rate=hint_rate, seed=seed)
+    data = demonstrations(
+        tokenizer, episodes=episodes, turns=turns, hint_rate=hint_rate, seed=seed, env=env
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed)
     model.train()
@@ -105,11 +119,13 @@ def warm_up(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    print(f"maze warm-up: {steps} steps, final action-token loss {loss.item():.3f} -> {out}")
+    print(f"{env} warm-up: {steps} steps, final action-token loss {loss.item():.3f} -> {out}")
     return out
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=OUT)
-    warm_up(ap.parse_args().out)
+    ap.add_argument("--env", choices=sorted(ENVS), default="maze")
+    ap.add_argument("--out", help="default: runs/models/tiny-<env>-warm")
+    args = ap.parse_args()
+    warm_up(args.out or f"runs/models/tiny-{args.env}-warm", env=args.env)

@@ -1,0 +1,293 @@
+"""Evaluation pinned to a policy version, on held-out instances no training episode can draw.
+
+Training episodes take seeds with bit 31 clear (``actors.envs.base.train_seed``); held-out instances are seeds
+with bit 31 set, so the two sets are disjoint by construction. Where an environment reports an
+instance's horizon (``env.horizon`` after ``reset``: the turns the instance needs), the held-out
+set is stratified: the same number of instances in every horizon bucket (``eval.horizon_buckets``),
+so a score is not decided by how many long instances the draw happened to hold.
+
+The episodes are played exactly as an actor plays them (``Rollouts``: continuous batching, the
+actor's temperature, compaction), but their segments go nowhere: evaluation never reaches the
+learner. Success is ``info["success"]`` where the environment reports it, else reward > 0; each
+rate comes with a 95% Wilson interval, each mean reward with a normal 95% interval.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+from prometheus_client import Counter, Gauge
+
+from actors.engines import Engine
+from actors.envs import make_env
+from actors.envs.base import HELD_OUT
+from actors.episode import ChatFormat, Episode
+from actors.link import fetch_newer
+from actors.rollout import Rollouts
+from common.config import Config
+from common.log import bind_version
+from common.metrics import Health
+from common.retry import call_with_retry
+from common.transport import Client, Endpoint, TransportError
+
+log = structlog.get_logger()
+
+M_SUCCESS = Gauge(
+    "asyncppo_eval_success",
+    "Held-out success rate of the last evaluated version, overall (bucket=all) and per horizon.",
+    ["bucket"],
+)
+M_REWARD = Gauge(
+    "asyncppo_eval_reward_mean",
+    "Held-out mean episode reward of the last evaluated version.",
+    ["bucket"],
+)
+M_VERSION = Gauge("asyncppo_eval_policy_version", "Policy version of the last evaluation.")
+M_RUNS = Counter("asyncppo_eval_runs_total", "Evaluations finished.")
+
+Z95 = 1.959963984540054
+
+
+def bucket_name(horizon: int | None, edges: list[int]) -> str:
+    """``"2-5"``, ``"6-15"``, … for upper edges [5, 15, …]; ``"all"`` without a horizon, and
+    ``">50"`` beyond the last edge."""
+    if horizon is None:
+        return "all"
+    low = 1
+    for edge in edges:
+        if horizon <= edge:
+            return f"{low}-{edge}"
+        low = edge + 1
+    return f">{edges[-1]}"
+
+
+def held_out_instances(cfg: Config, n: int) -> list[tuple[int, int | None]]:
+    """``n`` held-out (seed, horizon) pairs, the first seeds from HELD_OUT on that fill every
+    horizon bucket equally (the remainder to the shortest buckets); unstratified when the
+    environment reports no horizon."""
+    env = make_env(cfg.actor.env, **cfg.actor.env_kwargs)
+    edges = cfg.eval.horizon_buckets
+    env.reset(HELD_OUT)
+    if getattr(env, "horizon", None) is None:
+        return [(HELD_OUT + i, None) for i in range(n)]
+    names = [bucket_name(e, edges) for e in edges]
+    quota = {name: n // len(names) + (i < n % len(names)) for i, name in enumerate(names)}
+    chosen: list[tuple[int, int | None]] = []
+    for i in range(200 * n):  # every bucket is reachable for the built-in environments
+        env.reset(HELD_OUT + i)
+        name = bucket_name(env.horizon, edges)
+        if quota.get(name, 0) > 0:
+            quota[name] -= 1
+            chosen.append((HELD_OUT + i, env.horizon))
+            if len(chosen) == n:
+                return chosen
+    short = {k: v for k, v in quota.items() if v}
+    raise ValueError(
+        f"eval: {cfg.actor.env} gave too few held-out instances for horizon buckets {short} "
+        f"(eval.horizon_buckets={edges}); choose buckets its horizons fill"
+    )
+
+
+def wilson(successes: int, n: int) -> tuple[float, float]:
+    """95% Wilson score interval of a rate: honest at 0 and 1, unlike the normal one."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
+    half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / (1 + Z95**2 / n)
+    # At 0 or n successes the bound is exactly 0 or 1; the formula gives it up to rounding.
+    low = 0.0 if successes == 0 else centre - half
+    high = 1.0 if successes == n else centre + half
+    return low, high
+
+
+def score(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Success rate and mean reward of some episodes, with 95% intervals."""
+    n = len(records)
+    wins = sum(bool(r["success"]) for r in records)
+    rewards = [float(r["reward"]) for r in records]
+    mean = sum(rewards) / n if n else 0.0
+    sd = math.sqrt(sum((x - mean) ** 2 for x in rewards) / (n - 1)) if n > 1 else 0.0
+    half = Z95 * sd / math.sqrt(n) if n else 0.0
+    return {
+        "episodes": n,
+        "success": wins / n if n else 0.0,
+        "success_ci95": list(wilson(wins, n)),
+        "reward": mean,
+        "reward_ci95": [mean - half, mean + half],
+    }
+
+
+@dataclass
+class Played:
+    seed: int
+    horizon: int | None
+
+
+def evaluate(
+    cfg: Config,
+    engine: Engine,
+    fmt: ChatFormat,
+    instances: list[tuple[int, int | None]],
+    *,
+    beat: Callable[[str], None] = lambda what: None,
+) -> dict[str, Any]:
+    """Play every held-out instance once with the engine's current weights; the scores overall
+    and per horizon bucket, and one record per episode."""
+    t0 = time.monotonic()
+
+    def record(played: Played, ep: Episode | None, error: str | None) -> dict[str, Any]:
+        reward = sum(s.reward for s in ep.segments) if ep is not None else 0.0
+        return {
+            "seed": played.seed,
+            "horizon": played.horizon,
+            "bucket": bucket_name(played.horizon, cfg.eval.horizon_buckets),
+            "reward": reward,
+            "success": error is None and bool(ep.info.get("success", reward > 0)),
+            "turns": ep.turns if ep is not None else 0,
+            "segments": len(ep.segments) if ep is not None else 0,
+            "error": error,
+        }
+
+    rollouts = Rollouts(engine, temperature=cfg.actor.temperature, top_p=cfg.actor.top_p)
+    pending, playing = list(instances), {}
+    records: list[dict[str, Any]] = []
+    tokens = 0
+    while pending or len(rollouts):
+        while pending and len(rollouts) < cfg.actor.max_inflight_episodes:
+            seed, horizon = pending.pop(0)
+            try:
+                episode = Episode(
+                    make_env(cfg.actor.env, **cfg.actor.env_kwargs),
+                    fmt,
+                    seed=seed,
+                    permit="eval",
+                    actor_id="eval",
+                    group_id=None,
+                    max_turns=cfg.actor.max_turns,
+                    context_budget=cfg.actor.context_budget_tokens,
+                )
+            except Exception as exc:  # the environment's code: the instance counts as failed
+                records.append(record(Played(seed, horizon), None, f"{type(exc).__name__}: {exc}"))
+                continue
+            playing[episode.episode_id] = Played(seed, horizon)
+            rollouts.add(episode)
+        beat("evaluating")
+        for turn in rollouts.step():
+            tokens += len(turn.generation.token_ids)
+            ep = turn.episode
+            if turn.error is None and not ep.done:
+                continue
+            records.append(record(playing.pop(ep.episode_id), ep, turn.error))
+    edges = cfg.eval.horizon_buckets
+    order = [bucket_name(e, edges) for e in edges] + [f">{edges[-1]}", "all"]
+    buckets = [b for b in order if any(r["bucket"] == b for r in records)]
+    return {
+        "version": engine.version,
+        "env": cfg.actor.env,
+        **score(records),
+        "buckets": {b: score([r for r in records if r["bucket"] == b]) for b in buckets},
+        "generated_tokens": tokens,
+        "seconds": round(time.monotonic() - t0, 3),
+        "records": sorted(records, key=lambda r: r["seed"]),
+    }
+
+
+def summary_line(result: dict[str, Any]) -> dict[str, Any]:
+    """What the eval log keeps of an evaluation: everything but the per-episode records."""
+    return {k: v for k, v in result.items() if k != "records"} | {"time": time.time()}
+
+
+def broker_client(cfg: Config) -> Client:
+    """A connection for WEIGHTS_INFO/GET, which need no HELLO: the evaluator is not an actor the
+    broker counts."""
+    return Client(
+        Endpoint(cfg.security, cfg.broker.max_message_bytes),
+        cfg.actor.broker,
+        f"eval-{os.getpid()}",
+        timeout_s=30.0,
+    )
+
+
+def fetch_version(cfg: Config, engine: Engine) -> bool:
+    """Load the broker's newest version into ``engine``; False when the broker holds none."""
+    client = broker_client(cfg)
+    try:
+        fetched = fetch_newer(client, client.request("WEIGHTS_INFO"), -1)
+    finally:
+        client.close()
+    if fetched is not None:
+        engine.load_weights(fetched[0]["version"], fetched[1])
+    return fetched is not None
+
+
+def follow(
+    cfg: Config,
+    engine: Engine,
+    fmt: ChatFormat,
+    health: Health,
+    should_stop: Callable[[], bool],
+    out: Path,
+) -> None:
+    """An actor in eval mode (``asyncppo eval --follow``): every ``eval.every_versions``-th
+    version the broker publishes (the newest one when it falls behind) is fetched, played on the
+    held-out set and appended to ``out`` (JSON lines) and the ``asyncppo_eval_*`` gauges. It
+    takes no permits and sends nothing: the learner never sees these episodes."""
+    client = broker_client(cfg)
+    instances = held_out_instances(cfg, cfg.eval.episodes)
+    every, last = max(cfg.eval.every_versions, 1), None
+    health.ready = True
+    try:
+        while not should_stop():
+            try:
+                info = call_with_retry(
+                    lambda: client.request("WEIGHTS_INFO"),
+                    what="WEIGHTS_INFO",
+                    health=health,
+                    should_stop=should_stop,
+                )
+            except TransportError:
+                continue  # stopping
+            newest = info.header["manifest"]["version"] if info.kind == "WEIGHTS_MANIFEST" else -1
+            fetched = (
+                fetch_newer(client, info, engine.version)
+                if newest >= 0 and (last is None or newest >= last + every)
+                else None
+            )
+            if fetched is None:
+                health.beat("waiting for a version to evaluate")
+                time.sleep(0.5)
+                continue
+            engine.load_weights(fetched[0]["version"], fetched[1])
+            bind_version(engine.version)
+            result = evaluate(cfg, engine, fmt, instances, beat=health.beat)
+            last = engine.version
+            with out.open("a") as f:
+                f.write(json.dumps(summary_line(result)) + "\n")
+            record_metrics(result)
+            log.info(
+                "evaluated",
+                version=last,
+                success=round(result["success"], 4),
+                ci95=[round(x, 4) for x in result["success_ci95"]],
+                episodes=result["episodes"],
+                seconds=result["seconds"],
+            )
+    finally:
+        client.close()
+
+
+def record_metrics(result: dict[str, Any]) -> None:
+    M_RUNS.inc()
+    M_VERSION.set(result["version"])
+    for bucket, scores in {"all": result, **result["buckets"]}.items():
+        M_SUCCESS.labels(bucket=bucket).set(scores["success"])
+        M_REWARD.labels(bucket=bucket).set(scores["reward"])
