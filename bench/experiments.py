@@ -6,6 +6,7 @@ step log (`learner_steps.jsonl`) and the run summary, and writes JSON and a PNG 
 docs/results/ (`<name>.json`/`.png`; `<name>_quick.*` for --quick).
 
     python bench/experiments.py long_horizon [--quick] [--seeds N]  # PPO vs GRPO on chain, held-out
+    python bench/experiments.py cut_bootstrap [--quick] [--seeds N] # compaction cuts: critic vs 0
     python bench/experiments.py ppo_vs_grpo [--quick] [--seeds N]   # critic PPO vs GRPO, maze + digits
     python bench/experiments.py icepop      [--quick] [--seeds N]   # bf16 sampling, fp32 training
     python bench/experiments.py icepop_smollm2 [--quick]             # the same on SmolLM2-135M (make smollm2)
@@ -460,6 +461,30 @@ def long_horizon_runs(quick: bool, seeds: int) -> list[Run]:
     return runs
 
 
+def cut_bootstrap_runs(quick: bool, seeds: int) -> list[Run]:
+    """Critic PPO on the chain (early termination): a compaction cut bootstraps from the critic's
+    value at the next segment (ours) or ends the segment's return at 0 (slime's choice)."""
+    return [
+        Run(
+            f"{mode}-s{seed}",
+            {"task": "early", "algorithm": f"ppo, cut -> {mode}"},
+            {
+                **CHAIN,
+                "actor.env_kwargs": CHAIN_VARIANTS["early"],
+                "learner.algorithm": "ppo",
+                "learner.cut_bootstrap": mode,
+                "learner.total_steps": 15 if quick else 120,
+                "eval.episodes": 48 if quick else 96,
+            },
+            seed,
+            wall_s=240 if quick else 1500,
+            evaluate=True,
+        )
+        for mode in ("critic", "zero")
+        for seed in range(seeds)
+    ]
+
+
 def seed_interval(values: list[float]) -> dict[str, Any]:
     """Mean over seeds with a 95% t-interval (none from one seed)."""
     t95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365}
@@ -868,6 +893,17 @@ EXPERIMENTS = {
         3,
         "critic PPO beats GRPO on long horizons without early termination and ties with it "
         "where episodes end early (arXiv 2511.03527); GRPO as good on short tasks",
+        model=WARM_CHAIN_MODEL,
+        prepare=warm_model("chain", WARM_CHAIN_MODEL),
+    ),
+    "cut_bootstrap": Experiment(
+        cut_bootstrap_runs,
+        summarize_long_horizon,
+        plot_long_horizon,
+        2,
+        2,
+        "bootstrapping the critic across compaction cuts trains long-horizon agents better than "
+        "ending every segment with value 0",
         model=WARM_CHAIN_MODEL,
         prepare=warm_model("chain", WARM_CHAIN_MODEL),
     ),

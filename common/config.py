@@ -252,6 +252,12 @@ class LearnerConfig:
         "GAE is cut every this many turns inside a segment, bootstrapped (dynamic truncation).",
         minimum=1,
     )
+    cut_bootstrap: Literal["critic", "zero"] = param(
+        "critic",
+        "Value after a segment cut by compaction or an outside limit: critic (V at the next "
+        "segment's first action, else V after the segment) or zero (every segment ends with 0, "
+        "as slime does; for the ablation).",
+    )
     correction: Literal["icepop", "tis", "none"] = param(
         "icepop", "Behavior-policy correction: icepop (mask), tis (truncate) or none."
     )

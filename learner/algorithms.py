@@ -47,7 +47,8 @@ def gae_targets(
     batch: Batch, scores: Scores, episodes: list[list[Segment]], lc: LearnerConfig
 ) -> Targets:
     """GAE per row; a segment cut by compaction bootstraps from the value at the first action
-    of the episode's next segment, one cut by the turn budget from its own end value."""
+    of the episode's next segment, one cut by the turn budget from its own end value (or, with
+    ``cut_bootstrap: zero``, every cut from 0)."""
     advantages, returns = torch.zeros_like(scores.prox), torch.zeros_like(scores.prox)
     for i, (n, nxt) in enumerate(zip(batch.lengths.tolist(), batch.next_row.tolist(), strict=True)):
         next_value = (
@@ -55,12 +56,15 @@ def gae_targets(
             if nxt >= 0
             else None
         )
+        end_value = float(scores.end_values[i])
+        if lc.cut_bootstrap == "zero":  # the ablation: a cut ends its segment's return at 0
+            next_value, end_value = 0.0, 0.0
         t = data.segment_targets(
             batch.action_mask[i, :n],
             batch.rewards[i, :n],
             bool(batch.terminated[i]),
             scores.values[i, :n],
-            float(scores.end_values[i]),
+            end_value,
             next_value,
             gamma=lc.gamma,
             lam=lc.lam,

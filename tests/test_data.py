@@ -268,3 +268,22 @@ def test_a_batch_lays_segments_out_as_padded_rows_and_links_each_to_its_next_seg
     assert ids.shape == (2, 4) and attn.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert temps.tolist() == [1.0, 1.0]
     assert batch.take(batch.rewards, [2]).shape == (1, 2)
+
+
+@pytest.mark.parametrize(("mode", "boot"), [("critic", NEXT_VALUE), ("zero", 0.0)])
+def test_gae_estimator_bootstraps_a_compaction_cut_from_the_next_segment_or_zero(mode, boot):
+    """The registry's GAE on a Batch: the first segment of a compacted episode ends with the
+    critic's value at the next segment's first action (ours) or with 0 (the ablation)."""
+    first = make_segment(LAYOUT, episode="c", rewards={3: 0.5}, terminated=False, last=False)
+    second = make_segment("oaa", episode="c", index=1, rewards={2: 1.0})
+    batch = Batch.of([first, second])
+    values = torch.zeros(batch.tokens.shape)
+    values[0, : len(LAYOUT)] = VALUES
+    values[1, 1] = NEXT_VALUE  # V at the next segment's first action
+    scores = Scores(values, values, torch.tensor([END_VALUE, 0.0]), None, torch.zeros_like(values))
+    lc = load_config(
+        None, ["learner.gamma=1", "learner.lam=1", f"learner.cut_bootstrap={mode}"]
+    ).learner
+    adv = ESTIMATORS["ppo"](batch, scores, [[first, second]], lc).advantages
+    expected, _ = closed_form(first, VALUES, boot)
+    assert adv[0, : len(LAYOUT)].tolist() == pytest.approx(expected)

@@ -130,6 +130,13 @@ def test_long_horizon_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_cut_bootstrap_quick(tmp_path):
+    report = run_quick("cut_bootstrap", tmp_path)
+    assert {r["overrides"]["learner.cut_bootstrap"] for r in report["runs"]} == {"critic", "zero"}
+    assert all(r["held_out"]["final"]["episodes"] == 48 for r in report["runs"])
+
+
+@pytest.mark.slow
 def test_ppo_vs_grpo_quick(tmp_path):
     report = run_quick("ppo_vs_grpo", tmp_path)
     assert {(r["labels"]["task"], r["labels"]["algorithm"]) for r in report["runs"]} == {
