@@ -7,6 +7,7 @@ that needs them, so ``asyncppo --help`` answers at once.
     asyncppo up      --config C.yaml [--summary F]     (broker + learner + N actors on this machine)
     asyncppo eval    --config C.yaml [--model DIR | --broker | --follow] [--out F]
                                                        (score a policy on held-out instances)
+    asyncppo plot    --run-dir D [--out F.png]         (training and held-out curves of a run)
     asyncppo scale   --run-dir D N                     (change the actor count of a running `up`)
     asyncppo keys generate --out DIR --name NAME       (CurveZMQ key pair)
     asyncppo model prepare NAME [--out DIR]            (convert a packaged model to a HF directory)
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         "publishes, appended to <run dir>/eval.jsonl, until stopped",
     )
     ev.add_argument("--out", help="write the result (with every episode) as JSON here")
+    pl = sub.add_parser("plot", help="plot a run directory: training steps, held-out evaluations")
+    pl.add_argument("--run-dir", required=True, help="run.out_dir of an `up` (or a learner's)")
+    pl.add_argument("--out", help="PNG to write (default: <run dir>/run.png)")
     sc = sub.add_parser("scale", help="set the number of actors of a running `asyncppo up`")
     sc.add_argument("--run-dir", required=True, help="run.out_dir of the running `up`")
     sc.add_argument("actors", type=int)
@@ -201,6 +205,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "model":
         return prepare(args.name, args.out or f"runs/models/{args.name}")
+    if args.command == "plot":
+        from deploy.plots import plot_run
+
+        try:
+            print(f"wrote {plot_run(args.run_dir, args.out)}")
+        except (OSError, ValueError) as exc:
+            print(f"asyncppo plot: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "scale":
         target = Path(args.run_dir) / "actors.target"
         if not target.parent.is_dir():

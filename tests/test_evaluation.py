@@ -167,6 +167,10 @@ def test_an_evaluator_beside_training_scores_published_versions(tmp_path, tiny_m
     assert 'asyncppo_eval_success{bucket="all"}' in scraped
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [e["version"] for e in summary["eval"]] == [versions[0], versions[-1]]
+    # `asyncppo plot` draws the run from the files the roles wrote.
+    assert main(["plot", "--run-dir", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plot", "--run-dir", str(tmp_path / "nothing")]) == 2
     # The learner never trained on an evaluation episode: every trained episode is an actor's.
     steps = (tmp_path / "run" / "learner_steps.jsonl").read_text().splitlines()
     assert {a for line in steps for a in json.loads(line)["actors"]} <= {"actor-0", "actor-1"}
