@@ -1,10 +1,10 @@
 """Evaluation pinned to a policy version, on held-out instances no training episode can draw.
 
-Training episodes take seeds with bit 31 clear (``actors.envs.base.train_seed``); held-out instances are seeds
-with bit 31 set, so the two sets are disjoint by construction. Where an environment reports an
-instance's horizon (``env.horizon`` after ``reset``: the turns the instance needs), the held-out
-set is stratified: the same number of instances in every horizon bucket (``eval.horizon_buckets``),
-so a score is not decided by how many long instances the draw happened to hold.
+Training episodes take seeds with bit 31 clear (``actors.envs.base.train_seed``); held-out
+instances are seeds with bit 31 set, so the two sets are disjoint by construction. Where an
+environment reports an instance's horizon (``env.horizon`` after ``reset``: the turns the instance
+needs), the held-out set is stratified: the same number of instances in every horizon bucket
+(``eval.horizon_buckets``), so a score is not decided by how many long instances the draw held.
 
 The episodes are played exactly as an actor plays them (``Rollouts``: continuous batching, the
 actor's temperature, compaction), but their segments go nowhere: evaluation never reaches the

@@ -552,7 +552,7 @@ def plot_long_horizon(records: list[dict], ax_row: list[Any]) -> None:
         zorder=3,
         label="start (warm model)",
     )
-    ax_row[0].set_xticks(x, [a.replace("/", "\n") for a in arms])
+    ax_row[0].set_xticks(x, [a.replace("/", "\n") for a in arms], fontsize=8)
     ax_row[0].set(title="held-out success (95% CI over seeds)", ylabel="success rate")
     ax_row[0].legend()
     for (task, algo), rs in groups(records, "task", "algorithm").items():
