@@ -7,6 +7,7 @@ docs/results/ (`<name>.json`/`.png`; `<name>_quick.*` for --quick).
 
     python bench/experiments.py long_horizon [--quick] [--seeds N]  # PPO vs GRPO on chain, held-out
     python bench/experiments.py cut_bootstrap [--quick] [--seeds N] # compaction cuts: critic vs 0
+    python bench/experiments.py critic [--quick] [--seeds N]        # which critic explains the return
     python bench/experiments.py ppo_vs_grpo [--quick] [--seeds N]   # critic PPO vs GRPO, maze + digits
     python bench/experiments.py icepop      [--quick] [--seeds N]   # bf16 sampling, fp32 training
     python bench/experiments.py icepop_smollm2 [--quick]             # the same on SmolLM2-135M (make smollm2)
@@ -454,7 +455,7 @@ def long_horizon_runs(quick: bool, seeds: int) -> list[Run]:
                         {"task": variant, "algorithm": algo},
                         over,
                         seed,
-                        wall_s=240 if quick else 1500,
+                        wall_s=600 if quick else 1500,
                         evaluate=True,
                     )
                 )
@@ -477,10 +478,41 @@ def cut_bootstrap_runs(quick: bool, seeds: int) -> list[Run]:
                 "eval.episodes": 48 if quick else 96,
             },
             seed,
-            wall_s=240 if quick else 1500,
+            wall_s=600 if quick else 1500,
             evaluate=True,
         )
         for mode in ("critic", "zero")
+        for seed in range(seeds)
+    ]
+
+
+CRITICS = {  # label -> learner overrides; "separate" is long_horizon's critic PPO
+    "separate": {},
+    "shared": {"learner.critic": "shared"},
+    "separate, lr 3e-3 x2": {"learner.critic_lr": 3e-3, "learner.critic_updates": 2},
+}
+
+
+def critic_runs(quick: bool, seeds: int) -> list[Run]:
+    """Critic PPO on the chain (early termination) with three critics: does any explain the
+    return (explained variance), and does that buy held-out success?"""
+    return [
+        Run(
+            f"{label.split(',')[0]}{'-fast' if ',' in label else ''}-s{seed}",
+            {"task": "early", "algorithm": f"ppo, {label}"},
+            {
+                **CHAIN,
+                "actor.env_kwargs": CHAIN_VARIANTS["early"],
+                "learner.algorithm": "ppo",
+                "learner.total_steps": 15 if quick else 120,
+                "eval.episodes": 48 if quick else 96,
+                **extra,
+            },
+            seed,
+            wall_s=600 if quick else 1500,
+            evaluate=True,
+        )
+        for label, extra in CRITICS.items()
         for seed in range(seeds)
     ]
 
@@ -904,6 +936,16 @@ EXPERIMENTS = {
         2,
         "bootstrapping the critic across compaction cuts trains long-horizon agents better than "
         "ending every segment with value 0",
+        model=WARM_CHAIN_MODEL,
+        prepare=warm_model("chain", WARM_CHAIN_MODEL),
+    ),
+    "critic": Experiment(
+        critic_runs,
+        summarize_long_horizon,
+        plot_long_horizon,
+        2,
+        2,
+        "a learned critic explains the return of long-horizon episodes",
         model=WARM_CHAIN_MODEL,
         prepare=warm_model("chain", WARM_CHAIN_MODEL),
     ),

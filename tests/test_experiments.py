@@ -114,6 +114,7 @@ def test_final_reward_and_smoothing():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # 8 runs, each scored on the held-out set twice: ~9 minutes
 def test_long_horizon_quick(tmp_path):
     report = run_quick("long_horizon", tmp_path)
     arms = {(r["labels"]["task"], r["labels"]["algorithm"]) for r in report["runs"]}
@@ -130,6 +131,7 @@ def test_long_horizon_quick(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_cut_bootstrap_quick(tmp_path):
     report = run_quick("cut_bootstrap", tmp_path)
     assert {r["overrides"]["learner.cut_bootstrap"] for r in report["runs"]} == {"critic", "zero"}
