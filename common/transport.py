@@ -186,20 +186,31 @@ class Client:
         self.timeout_s = timeout_s
         self._req = 0
         self.routing_id = new_routing_id()  # kept across reopen: the broker binds our id to it
-        self.sock = endpoint.client(connect, self.routing_id)
+        self.sock = self._open()
+
+    def _open(self) -> zmq.Socket:
+        sock = self.endpoint.client(self.connect, self.routing_id)
+        # A DEALER with no live connection (a broker that refused our Curve handshake, one that
+        # is gone) blocks on send; bounded, the request times out like a missing reply.
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_s * 1000)))
+        return sock
 
     def reopen(self) -> None:
         self.sock.close(linger=0)
-        self.sock = self.endpoint.client(self.connect, self.routing_id)
+        self.sock = self._open()
 
     def send_request(
         self, kind: str, header: dict[str, Any] | None, tensors: dict[str, np.ndarray] | None
     ) -> int:
         self._req += 1
-        send(
-            self.sock,
-            encode(kind, {**(header or {}), "id": self.client_id, "req": self._req}, tensors),
-        )
+        try:
+            send(
+                self.sock,
+                encode(kind, {**(header or {}), "id": self.client_id, "req": self._req}, tensors),
+            )
+        except zmq.Again:
+            self.reopen()
+            raise TransportError(f"{kind}: could not send to {self.connect} in time") from None
         return self._req
 
     def recv_reply(self, kind: str, wanted: set[int], deadline: float) -> Message:
