@@ -428,58 +428,65 @@ def ppo_vs_grpo_runs(quick: bool, seeds: int) -> list[Run]:
     return runs
 
 
+def chain_run(
+    name: str, labels: dict[str, Any], quick: bool, seed: int, steps: int, **overrides: Any
+) -> Run:
+    """One run on the chain (CHAIN + `overrides`), scored on the held-out set before and after."""
+    return Run(
+        name,
+        labels,
+        {
+            **CHAIN,
+            "learner.total_steps": 15 if quick else steps,
+            "eval.episodes": 48 if quick else 96,
+            **overrides,
+        },
+        seed,
+        wall_s=600 if quick else 1500,
+        evaluate=True,
+    )
+
+
 def long_horizon_runs(quick: bool, seeds: int) -> list[Run]:
     """Critic PPO vs GRPO on the chain, with and without early termination, at equal steps and
     episodes; each scored on the held-out set before and after. Controls (seed 0 only): a
     coin-flip reward (must not learn) and the 1-3 turn short twin."""
-    runs = []
-    for variant, env_kwargs in CHAIN_VARIANTS.items():
-        control = variant in ("coin-flip", "short")
-        # Without early termination an episode plays up to 75 turns (~5 s a step on 2 cores,
-        # against ~1.3 s): fewer steps there, the same for both methods.
-        steps = 15 if quick else (60 if variant == "no-early" else 120)
-        for algo in ("ppo", "grpo"):
-            for seed in range(1 if control else seeds):
-                over = {
-                    **CHAIN,
-                    "actor.env_kwargs": env_kwargs,
-                    "learner.algorithm": algo,
-                    "learner.total_steps": steps,
-                    "eval.episodes": 48 if quick else 96,
-                }
-                if variant == "short":
-                    over["eval.horizon_buckets"] = [1, 3]
-                runs.append(
-                    Run(
-                        f"{variant}-{algo}-s{seed}",
-                        {"task": variant, "algorithm": algo},
-                        over,
-                        seed,
-                        wall_s=600 if quick else 1500,
-                        evaluate=True,
-                    )
-                )
-    return runs
+    return [
+        chain_run(
+            f"{variant}-{algo}-s{seed}",
+            {"task": variant, "algorithm": algo},
+            quick,
+            seed,
+            # Without early termination an episode plays up to 75 turns (~5 s a step on 2 cores,
+            # against ~1.3 s): fewer steps there, the same for both methods.
+            60 if variant == "no-early" else 120,
+            **{
+                "actor.env_kwargs": env_kwargs,
+                "learner.algorithm": algo,
+                **({"eval.horizon_buckets": [1, 3]} if variant == "short" else {}),
+            },
+        )
+        for variant, env_kwargs in CHAIN_VARIANTS.items()
+        for algo in ("ppo", "grpo")
+        for seed in range(1 if variant in ("coin-flip", "short") else seeds)
+    ]
 
 
 def cut_bootstrap_runs(quick: bool, seeds: int) -> list[Run]:
     """Critic PPO on the chain (early termination): a compaction cut bootstraps from the critic's
     value at the next segment (ours) or ends the segment's return at 0 (slime's choice)."""
     return [
-        Run(
+        chain_run(
             f"{mode}-s{seed}",
             {"task": "early", "algorithm": f"ppo, cut -> {mode}"},
-            {
-                **CHAIN,
+            quick,
+            seed,
+            120,
+            **{
                 "actor.env_kwargs": CHAIN_VARIANTS["early"],
                 "learner.algorithm": "ppo",
                 "learner.cut_bootstrap": mode,
-                "learner.total_steps": 15 if quick else 120,
-                "eval.episodes": 48 if quick else 96,
             },
-            seed,
-            wall_s=600 if quick else 1500,
-            evaluate=True,
         )
         for mode in ("critic", "zero")
         for seed in range(seeds)
@@ -497,20 +504,13 @@ def critic_runs(quick: bool, seeds: int) -> list[Run]:
     """Critic PPO on the chain (early termination) with three critics: does any explain the
     return (explained variance), and does that buy held-out success?"""
     return [
-        Run(
+        chain_run(
             f"{label.split(',')[0]}{'-fast' if ',' in label else ''}-s{seed}",
             {"task": "early", "algorithm": f"ppo, {label}"},
-            {
-                **CHAIN,
-                "actor.env_kwargs": CHAIN_VARIANTS["early"],
-                "learner.algorithm": "ppo",
-                "learner.total_steps": 15 if quick else 120,
-                "eval.episodes": 48 if quick else 96,
-                **extra,
-            },
+            quick,
             seed,
-            wall_s=600 if quick else 1500,
-            evaluate=True,
+            120,
+            **{"actor.env_kwargs": CHAIN_VARIANTS["early"], "learner.algorithm": "ppo", **extra},
         )
         for label, extra in CRITICS.items()
         for seed in range(seeds)

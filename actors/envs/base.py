@@ -8,9 +8,8 @@ from typing import Protocol, runtime_checkable
 
 Info = dict[str, float | int | str | bool]
 
-HELD_OUT = (
-    1 << 31
-)  # instance seeds: bit 31 set on held-out ones (evaluation), clear on training ones
+# Instance seeds: bit 31 set on held-out ones (evaluation), clear on training ones.
+HELD_OUT = 1 << 31
 
 
 def train_seed(key: str) -> int:
