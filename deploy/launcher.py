@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,25 @@ class Launcher:
             self.retired.append(name)
             print(f"[up] stopped {name} (actors: {len(self.actors)})", flush=True)
 
+    def stop_learner(self) -> None:
+        """SIGTERM; the learner finishes its step and checkpoints, which with a real model on CPU
+        takes minutes: wait as long as its /healthz says it makes progress (or, serving none,
+        ``run.stall_timeout_s``), and SIGKILL only a learner that stopped making progress."""
+        if self.learner.poll() is not None:
+            return
+        self.learner.send_signal(signal.SIGTERM)
+        print("[up] stopping the learner: it finishes its step and checkpoints", flush=True)
+        port, stall = self._port("learner"), self.cfg.run.stall_timeout_s
+        deadline = time.monotonic() + stall
+        while self.learner.poll() is None and time.monotonic() < deadline:
+            if port and healthy(self.cfg.run.metrics_host, port):
+                deadline = time.monotonic() + stall
+            time.sleep(0.5)
+        if self.learner.poll() is None:
+            print(f"[up] the learner made no progress for {stall} s: killing it", flush=True)
+            self.learner.kill()
+        self.learner.wait()
+
     def broker_stats(self) -> dict[str, Any]:
         """The broker's STATS ({} when it does not answer). The broker forgets an actor once it
         leaves, so the newest version each actor reported is kept here for the summary."""
@@ -164,7 +184,7 @@ class Launcher:
         return 0 if self.learner.poll() in (0, None) else 1
 
     def shutdown(self) -> dict[str, Any]:
-        stop(self.learner)
+        self.stop_learner()
         if self.evaluator is not None:
             stop(self.evaluator)
         stats = self.broker_stats()
@@ -217,6 +237,15 @@ def read_target(path: Path, default: int) -> int:
         return max(0, int(path.read_text().strip()))
     except (OSError, ValueError):
         return default
+
+
+def healthy(host: str, port: int) -> bool:
+    """Whether the role serving on ``port`` answers /healthz with 200 (its loop makes progress)."""
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=2) as reply:
+            return reply.status == 200
+    except OSError:  # refused, 503 (HTTPError), timed out
+        return False
 
 
 def stop(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:

@@ -7,8 +7,14 @@ import json
 import signal
 import time
 import urllib.request
+from datetime import datetime
 
+import pytest
 from conftest import free_port, smoke_args
+
+from deploy.launcher import STOP_TIMEOUT_S
+
+SLOW_EPOCHS = 5000  # passes over each batch: a step of the tiny model that takes minutes
 
 
 def test_smoke_run_trains_and_every_actor_gets_new_weights(tmp_path, tiny_model, procs):
@@ -77,3 +83,38 @@ def test_ctrl_c_stops_every_role(tmp_path, tiny_model, procs):
     assert "checkpoint saved" in learner_log and "learner finished" in learner_log
     for name in ("actor-0", "actor-1"):
         assert "actor stopped" in (tmp_path / "run" / "logs" / f"{name}.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_learner_stopped_in_a_long_step_finishes_it_and_checkpoints(tmp_path, tiny_model, procs):
+    """`up` stopping at run.max_wall_s waits for a learner whose step outlasts the 30 s other roles
+    get, as long as its /healthz says it makes progress (a real model's step on CPU takes
+    minutes; killing it lost the run's last checkpoint)."""
+    proc = procs.start(
+        smoke_args(
+            tmp_path,
+            tiny_model,
+            free_port(),
+            *("--set", "learner.total_steps=0", "--set", f"learner.ppo_epochs={SLOW_EPOCHS}"),
+            *("--set", "run.max_wall_s=30", "--set", f"run.metrics_base_port={free_port()}"),
+        ),
+        tmp_path / "up.log",
+    )
+    assert proc.wait(timeout=540) == 0, (tmp_path / "up.log").read_text()[-3000:]
+    assert "stopping the learner" in (tmp_path / "up.log").read_text()
+    lines = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "logs" / "learner.log").open()
+        if line.startswith("{")
+    ]
+    events = [line["event"] for line in lines]
+    signalled = events.index("signal received: checkpointing after this step")
+    assert "step" in events[signalled:], "the step in progress at the signal was finished"
+    assert events[-2:] == ["checkpoint saved", "learner finished"], events[-5:]
+    assert (tmp_path / "run" / "checkpoints" / "policy" / "latest").exists()
+    at = [datetime.fromisoformat(lines[i]["timestamp"]) for i in (signalled, -2)]
+    waited = (at[1] - at[0]).total_seconds()
+    assert waited > STOP_TIMEOUT_S, (
+        f"the step ended {waited:.0f} s after the signal: too short a test"
+    )
