@@ -1,7 +1,8 @@
 # One image for every role: `asyncppo broker|learner|actor ...` (see docs/deploy.md).
-# For GPU nodes build with --build-arg EXTRAS=sglang on a CUDA base image.
+# For GPU nodes build with --build-arg EXTRAS=sglang on a CUDA base image; EXTRAS=lora (the
+# default) lets the learner train LoRA adapters.
 FROM python:3.11-slim
-ARG EXTRAS=""
+ARG EXTRAS="lora"
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY common common

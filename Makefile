@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	# torch pinned: where a CPU build of 2.13.0 is on the pip path (CI's machines) pip takes it;
 	# from PyPI on Linux it is the CUDA build of the same release, which runs on CPU too.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,lora]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

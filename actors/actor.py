@@ -51,6 +51,11 @@ M_SYNC = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
 M_VERSION = Gauge("asyncppo_actor_policy_version", "Policy version loaded in the engine.")
+M_REFUSED = Counter(
+    "asyncppo_actor_weights_refused_total",
+    "Published versions the engine could not take (an adapter for another base model, tensors "
+    "that do not fit); it kept its weights.",
+)
 M_HACKS = Counter(
     "asyncppo_actor_hacks_intercepted_total", "Tool calls intercepted by the reward-hacking guard."
 )
@@ -87,7 +92,7 @@ class Actor:
         )
         if cfg.actor.torch_threads:
             torch.set_num_threads(cfg.actor.torch_threads)
-        self.engine = engine_for(cfg.actor, cfg.model.path)
+        self.engine = engine_for(cfg, cfg.model.path)
         self.rollouts = Rollouts(
             self.engine, temperature=cfg.actor.temperature, top_p=cfg.actor.top_p
         )
@@ -112,6 +117,7 @@ class Actor:
             self.server = AgentServer(self.agent, cfg.actor.agent_host, cfg.actor.agent_port)
             log.info("agent API serving", address=self.server.address, model=self.agent.model)
         self.engine.version = -1  # the local checkpoint is not a published version: fetch one first
+        self.refused = -1  # the newest version the engine refused: not fetched again
         self.episodes_started = 0
         self.steps = 0
         self._last_poll = 0.0
@@ -126,14 +132,25 @@ class Actor:
         )
 
     # ------------------------------------------------------------ broker calls
+    def behind(self) -> bool:
+        """Whether the broker has a version newer than the engine's that was not refused."""
+        return self.link.latest > max(self.engine.version, self.refused)
+
     def sync_weights(self) -> None:
-        """Load the newest complete version if it is newer than the engine's."""
+        """Load the newest complete version if it is newer than the engine's. A version the
+        engine cannot take is logged, counted and skipped: the actor keeps playing its own."""
         t0 = time.monotonic()
-        fetched = self.link.fetch_weights(self.engine.version)
+        fetched = self.link.fetch_weights(max(self.engine.version, self.refused))
         if fetched is None:
             return
         manifest, tensors = fetched
-        self.engine.load_weights(manifest["version"], tensors)
+        try:
+            self.engine.load_version(manifest, tensors)
+        except ValueError as exc:
+            self.refused = manifest["version"]
+            M_REFUSED.inc()
+            log.error("weights refused", version=manifest["version"], error=str(exc))
+            return
         M_VERSION.set(manifest["version"])
         M_SYNC.observe(time.monotonic() - t0)
         bind_version(manifest["version"])
@@ -152,7 +169,7 @@ class Actor:
             return
         self._last_poll = now
         self.link.call("HEARTBEAT", {"version": self.engine.version})
-        if self.link.latest > self.engine.version:
+        if self.behind():
             self.sync_weights()
 
     def request_permits(self) -> list[dict]:
@@ -298,12 +315,12 @@ class Actor:
         try:
             while not should_stop():
                 if self.agent is not None:
-                    if self.link.latest > self.engine.version:
+                    if self.behind():
                         self.sync_weights()
                     self.serve()
                     self._poll()
                     continue
-                if self.link.latest > self.engine.version or self.engine.version < 0:
+                if self.behind() or self.engine.version < 0:
                     self.sync_weights()
                     if self.engine.version < 0:
                         self.health.beat("waiting for weights")

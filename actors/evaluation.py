@@ -225,7 +225,7 @@ def fetch_version(cfg: Config, engine: Engine) -> bool:
     finally:
         client.close()
     if fetched is not None:
-        engine.load_weights(fetched[0]["version"], fetched[1])
+        engine.load_version(*fetched)
     return fetched is not None
 
 
@@ -266,7 +266,12 @@ def follow(
                 health.beat("waiting for a version to evaluate")
                 time.sleep(0.5)
                 continue
-            engine.load_weights(fetched[0]["version"], fetched[1])
+            try:
+                engine.load_version(*fetched)
+            except ValueError as exc:  # an adapter for another base model, ...: the next one
+                log.error("weights refused", version=fetched[0]["version"], error=str(exc))
+                last = fetched[0]["version"]
+                continue
             bind_version(engine.version)
             result = evaluate(cfg, engine, fmt, instances, beat=health.beat)
             last = engine.version

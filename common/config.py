@@ -203,6 +203,35 @@ class ActorConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = param(
+        0,
+        "LoRA rank: train low-rank adapters (peft) on every trunk the learner trains, and publish "
+        "only them; 0 trains every weight.",
+        minimum=0,
+    )
+    alpha: float = param(
+        16.0, "LoRA alpha: an adapter's update B·A is scaled by alpha / rank.", above=0
+    )
+    dropout: float = param(
+        0.0,
+        "Dropout on an adapter's input while training (> 0 makes pi_theta a noisy copy of pi_prox).",
+        minimum=0,
+        maximum=0.9,
+    )
+    target_modules: list[str] = param(
+        ["all-linear"],
+        "Modules that get adapters: peft names (q_proj, v_proj, ...) or all-linear (every linear "
+        "layer of the trunk, not the output head).",
+    )
+    export: Literal["adapter", "merged"] = param(
+        "adapter",
+        "What learner.export_dir gets: the adapter (peft save_pretrained, with the base model's "
+        "path) or the merged model (a plain Hugging Face checkpoint).",
+    )
+
+
+@dataclass
 class LearnerConfig:
     broker: str = param("tcp://127.0.0.1:5555", "Broker endpoint the learner connects to.")
     broker_timeout_s: float = param(
@@ -294,6 +323,7 @@ class LearnerConfig:
     )
     weight_chunk_bytes: int = param(64 << 20, "Chunk size of published weights.", minimum=1)
     seed: int = param(0, "Seed of the learner.")
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -442,11 +472,17 @@ def _check_actor(a: ActorConfig) -> None:
 
 
 def _check_learner(lc: LearnerConfig) -> None:
-    """IcePop's band must contain 1 (a token with no mismatch is kept)."""
+    """IcePop's band must contain 1 (a token with no mismatch is kept); LoRA needs modules."""
     if not 0 < lc.icepop_low <= 1 <= lc.icepop_high:
         raise ConfigError(
             "config keys 'learner.icepop_low'/'learner.icepop_high' need 0 < low <= 1 <= high, "
             f"got [{lc.icepop_low}, {lc.icepop_high}]"
+        )
+    targets = lc.lora.target_modules
+    if not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ConfigError(
+            "config key 'learner.lora.target_modules' must be a non-empty list of module names, "
+            f"got {targets!r}"
         )
 
 
@@ -521,8 +557,14 @@ def to_dict(cfg: Config) -> dict:
 def reference_markdown() -> str:
     """The configuration reference (README section), generated from the dataclasses."""
     lines = ["| key | default | meaning |", "| --- | --- | --- |"]
-    for section in dataclasses.fields(Config):
-        for f in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            lines.append(f"| `{section.name}.{f.name}` | `{default!r}` | {f.metadata['help']} |")
+
+    def rows(group: Any, prefix: str) -> None:
+        for f in dataclasses.fields(group):
+            value = getattr(group, f.name)
+            if dataclasses.is_dataclass(value):  # a nested group: learner.lora.rank
+                rows(value, f"{prefix}{f.name}.")
+            else:
+                lines.append(f"| `{prefix}{f.name}` | `{value!r}` | {f.metadata['help']} |")
+
+    rows(Config(), "")
     return "\n".join(lines) + "\n"

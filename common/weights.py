@@ -4,7 +4,8 @@ Manifest::
 
     {"version": int, "chunk_bytes": int, "total_bytes": int,
      "chunks":  [{"nbytes": int, "sha256": hex}, ...],
-     "tensors": [{"name": str, "dtype": str, "shape": [int], "offset": int, "nbytes": int, "sha256": hex}, ...]}
+     "tensors": [{"name": str, "dtype": str, "shape": [int], "offset": int, "nbytes": int, "sha256": hex}, ...],
+     "adapter": {"base": hex}}   # only for a LoRA adapter (common.lora): the base it applies to
 
 Tensors are laid end to end in manifest order (a tensor may span chunks); dtypes are torch names
 (``float32``, ``bfloat16``, ...). Bucketing into large chunks is what makes the fan-out fast
@@ -111,12 +112,26 @@ def validate_manifest(manifest: dict) -> None:
         need(digest(t.get("sha256")), f"tensors[{i}].sha256", "expected 64 lowercase hex digits")
         offset += t["nbytes"]
     need(offset == total, "total_bytes", f"tensors add up to {offset} bytes")
+    if "adapter" in manifest:
+        adapter = manifest["adapter"]
+        need(isinstance(adapter, dict), "adapter", "expected a map {base}")
+        need(
+            digest(adapter.get("base")),
+            "adapter.base",
+            "expected the base model's fingerprint, 64 lowercase hex digits",
+        )
 
 
 def pack_state_dict(
-    tensors: dict[str, torch.Tensor], version: int, chunk_bytes: int
+    tensors: dict[str, torch.Tensor],
+    version: int,
+    chunk_bytes: int,
+    *,
+    adapter_base: str | None = None,
 ) -> tuple[dict, list[memoryview]]:
-    """State dict -> (manifest, chunks). One copy into a contiguous buffer; chunks are views of it."""
+    """State dict -> (manifest, chunks). One copy into a contiguous buffer; chunks are views of it.
+    ``adapter_base``: the tensors are a LoRA adapter (``common.lora``) for the base model with
+    this fingerprint."""
     import torch
 
     entries, offset = [], 0
@@ -151,6 +166,8 @@ def pack_state_dict(
         "chunks": [{"nbytes": c.nbytes, "sha256": hashlib.sha256(c).hexdigest()} for c in chunks],
         "tensors": entries,
     }
+    if adapter_base is not None:
+        manifest["adapter"] = {"base": adapter_base}
     return manifest, chunks
 
 

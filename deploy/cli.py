@@ -162,7 +162,7 @@ def run_eval(cfg: Any, args: argparse.Namespace) -> int:
     _, health = _serve_role("eval", args, cfg)
     path = args.model or cfg.model.path
     try:
-        engine = engine_for(cfg.actor, path)
+        engine = engine_for(cfg, path)
         fmt = ChatFormat(load_tokenizer(path))
     except (OSError, ValueError) as exc:
         print(f"asyncppo eval: model {path!r}: {exc}", file=sys.stderr)

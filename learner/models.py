@@ -9,7 +9,43 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
+
+from common.config import LoraConfig
+from common.lora import fingerprint
+
+FULL = LoraConfig()  # rank 0: every weight trains
+
+
+def with_adapters(model: PreTrainedModel, lora: LoraConfig) -> nn.Module:
+    """``learner.lora.rank > 0``: the model frozen, with trainable LoRA adapters (peft) on
+    ``lora.target_modules``; rank 0 returns it unchanged."""
+    if lora.rank == 0:
+        return model
+    try:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+    except ImportError as err:
+        raise ImportError("learner.lora.rank > 0 needs peft: pip install 'asyncppo[lora]'") from err
+
+    targets = lora.target_modules
+    return get_peft_model(
+        model,
+        PeftLoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules="all-linear" if targets == ["all-linear"] else targets,
+        ),
+    )
+
+
+def causal_lm(path: str, dtype: torch.dtype, lora: LoraConfig) -> tuple[nn.Module, str | None]:
+    """The policy's language model (with adapters under LoRA) and, under LoRA, the fingerprint of
+    its base weights, taken before any adapter exists: published adapters name it."""
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    base = fingerprint(model) if lora.rank else None
+    return with_adapters(model, lora), base
 
 
 class ValueHead(nn.Module):
@@ -28,10 +64,11 @@ class ValueHead(nn.Module):
 class Critic(nn.Module):
     """``critic: separate``: its own transformer trunk (initialised from the policy checkpoint) + head."""
 
-    def __init__(self, path: str, dtype: torch.dtype):
+    def __init__(self, path: str, dtype: torch.dtype, lora: LoraConfig = FULL):
         super().__init__()
-        self.trunk = AutoModel.from_pretrained(path, local_files_only=True, dtype=dtype)
-        self.head = ValueHead(self.trunk.config.hidden_size).to(dtype)
+        trunk = AutoModel.from_pretrained(path, local_files_only=True, dtype=dtype)
+        self.head = ValueHead(trunk.config.hidden_size).to(dtype)  # trains fully under LoRA too
+        self.trunk = with_adapters(trunk, lora)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -41,9 +78,9 @@ class Critic(nn.Module):
 class PolicyWithValue(nn.Module):
     """``critic: shared``: a value head on the policy's last hidden state (lighter, one model)."""
 
-    def __init__(self, path: str, dtype: torch.dtype):
+    def __init__(self, path: str, dtype: torch.dtype, lora: LoraConfig = FULL):
         super().__init__()
-        self.policy = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        self.policy, self.base_fingerprint = causal_lm(path, dtype, lora)
         self.head = ValueHead(self.policy.config.hidden_size).to(dtype)
 
     def forward(
@@ -58,9 +95,9 @@ class PolicyWithValue(nn.Module):
 class Policy(nn.Module):
     """``critic: separate`` or GRPO: the causal LM alone, returning logits."""
 
-    def __init__(self, path: str, dtype: torch.dtype):
+    def __init__(self, path: str, dtype: torch.dtype, lora: LoraConfig = FULL):
         super().__init__()
-        self.policy = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        self.policy, self.base_fingerprint = causal_lm(path, dtype, lora)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.policy(input_ids=input_ids, attention_mask=attention_mask).logits

@@ -314,7 +314,7 @@ class TrainStep:
             denominator=step.denominator,
         )
         terms = {
-            "policy_loss": float(loss),
+            "policy_loss": float(loss.detach()),
             "clip_fraction": float(stats["clip_fraction"]),
             "approx_kl": float(stats["approx_kl"]),
         }
@@ -330,7 +330,7 @@ class TrainStep:
                 clip=lc.value_clip,
                 denominator=step.denominator,
             )
-            terms["value_loss"] = float(vl)
+            terms["value_loss"] = float(vl.detach())
             loss = (loss if train_policy else loss * 0) + lc.value_coef * vl
         return loss, terms
 
@@ -346,7 +346,7 @@ class TrainStep:
             clip=self.lc.value_clip,
             denominator=step.denominator,
         )
-        return vl, {"value_loss": float(vl)}
+        return vl, {"value_loss": float(vl.detach())}
 
     def _zero_loss(self, engine: Engine) -> torch.Tensor:
         """A loss of exactly 0 from a one-token forward pass: keeps ranks in lockstep in collectives.
@@ -406,12 +406,14 @@ def build_models(
 ) -> Models:
     """The models ``lc`` asks for, each trainable one wrapped by ``engine(module, lr)``: the
     policy (with a value head under ``critic: shared``), a separate critic under PPO with
-    ``critic: separate``, a frozen reference policy when ``kl_coef > 0``."""
+    ``critic: separate``, a frozen reference policy when ``kl_coef > 0``. Under ``lc.lora`` every
+    trunk (the policy's, a separate critic's) trains adapters; value heads train fully."""
     shared = lc.algorithm == "ppo" and lc.critic == "shared"
+    policy = (PolicyWithValue if shared else Policy)(path, dtype, lc.lora)
     return Models(
-        policy=engine(PolicyWithValue(path, dtype) if shared else Policy(path, dtype), lc.lr),
+        policy=engine(policy, lc.lr),
         critic=(
-            engine(Critic(path, dtype), lc.critic_lr)
+            engine(Critic(path, dtype, lc.lora), lc.critic_lr)
             if lc.algorithm == "ppo" and not shared
             else None
         ),

@@ -32,8 +32,9 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from common.config import Config
 from common.log import bind_version
+from common.lora import adapter_tensors, apply_adapter, factor_pairs
 from common.metrics import Health
-from common.model import state_dict_for_export, tied_keys
+from common.model import load_causal_lm, state_dict_for_export, tied_keys
 from common.trajectory import Segment
 from common.weights import pack_state_dict
 from learner import data
@@ -119,7 +120,8 @@ class Learner:
         }
 
         def engine(module: torch.nn.Module, lr: float) -> Any:
-            opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=self.lc.weight_decay)
+            trainable = [p for p in module.parameters() if p.requires_grad]  # LoRA: adapters, heads
+            opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=self.lc.weight_decay)
             return deepspeed.initialize(
                 model=module, optimizer=opt, lr_scheduler=self._warmup, config=ds_config
             )[0]
@@ -157,6 +159,7 @@ class Learner:
             algorithm=self.lc.algorithm,
             critic=self.lc.critic if self.critic is not None or models.shared else None,
             zero_stage=self.lc.zero_stage,
+            lora_rank=self.lc.lora.rank,
             broker=self.lc.broker,
             step=self.step,
         )
@@ -187,12 +190,18 @@ class Learner:
         self.publish()
 
     def publish(self) -> None:
-        """Export the full state dict (tied tensors once), chunk it, push it; visible on COMMIT."""
+        """Export the policy's weights (under LoRA: its adapter, naming the base model), chunk
+        them, push them; visible on COMMIT."""
         t0 = time.monotonic()
         self.health.beat("publishing weights")
         tensors = self.export_weights()
         if self.link is not None:
-            manifest, chunks = pack_state_dict(tensors, self.version, self.lc.weight_chunk_bytes)
+            manifest, chunks = pack_state_dict(
+                tensors,
+                self.version,
+                self.lc.weight_chunk_bytes,
+                adapter_base=self.policy.module.base_fingerprint,
+            )
             del tensors
             self.link.publish(manifest, chunks)
             log.info(
@@ -205,16 +214,27 @@ class Learner:
         bind_version(self.version)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """The policy's full state dict as ``publish`` sends it (tied tensors once); {} off rank 0.
+        """What ``publish`` sends: the policy's full state dict (tied tensors once), or under
+        LoRA its adapter (``common.lora``); {} off rank 0.
 
         Under ZeRO-3 every rank must call this: DeepSpeed gathers the shards layer by layer.
         """
-        module = self._policy_module()
-        if self.lc.zero_stage != 3:
-            return state_dict_for_export(module) if self.rank == 0 else {}
-        state = self.policy._zero3_consolidated_16bit_state_dict()
+        module, lora = self._policy_module(), self.lc.lora
+        state = (  # under LoRA only the adapters (and heads) train: the base is not gathered
+            self.policy._zero3_consolidated_16bit_state_dict(
+                exclude_frozen_parameters=lora.rank > 0
+            )
+            if self.lc.zero_stage == 3
+            else None
+        )
         if self.rank != 0:
             return {}
+        if lora.rank:
+            return adapter_tensors(
+                module.state_dict() if state is None else state, lora.alpha / lora.rank
+            )
+        if state is None:
+            return state_dict_for_export(module)
         prefix, tied = "policy.", tied_keys(module)
         return {
             name: tensor
@@ -399,7 +419,9 @@ class Learner:
         )
 
     def export(self, out_dir: str) -> None:
-        """A Hugging Face ``save_pretrained`` directory of the policy (and its tokenizer)."""
+        """A Hugging Face ``save_pretrained`` directory of the policy and its tokenizer; under
+        LoRA, as ``learner.lora.export`` says, the adapter (peft's format, naming the base model's
+        path) or the base model with the adapter merged in."""
         from common.model import load_tokenizer
 
         module = self._policy_module()
@@ -408,12 +430,22 @@ class Learner:
 
             with GatheredParameters(list(module.parameters())):
                 if self.rank == 0:
-                    module.save_pretrained(out_dir)
+                    self._save_policy(module, out_dir)
         elif self.rank == 0:
-            module.save_pretrained(out_dir)
+            self._save_policy(module, out_dir)
         if self.rank == 0:
             load_tokenizer(self.cfg.model.path).save_pretrained(out_dir)
-            log.info("exported Hugging Face checkpoint", dir=out_dir)
+            log.info("exported Hugging Face checkpoint", dir=out_dir, lora=self.lc.lora.rank > 0)
+
+    def _save_policy(self, module: torch.nn.Module, out_dir: str) -> None:
+        lora = self.lc.lora
+        if lora.rank == 0 or lora.export == "adapter":
+            module.save_pretrained(out_dir)
+            return
+        model = load_causal_lm(self.cfg.model.path, dtype=DTYPES[self.cfg.model.dtype])
+        pairs = factor_pairs(adapter_tensors(module.state_dict(), lora.alpha / lora.rank))
+        apply_adapter(model, pairs, {})
+        model.save_pretrained(out_dir)
 
     def close(self) -> None:
         if self.link is not None:

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from common.transport import free_port  # noqa: F401 (tests import it from here)
 
@@ -25,6 +27,11 @@ def tiny_model(tmp_path_factory) -> Path:
     return path
 
 
+# The in-process world of one (single_process_group) must not leak into a started process: a
+# learner there would try to listen on the port this process's group already holds.
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 class Procs:
     """Real processes started by a test; whatever is left is killed (whole session) at teardown."""
 
@@ -36,7 +43,8 @@ class Procs:
     ) -> subprocess.Popen:
         """`python [launcher...] -m deploy.cli args...`: launcher is e.g. torchrun's module+flags."""
         out = open(log, "ab")  # noqa: SIM115 (owned by the process)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
+        inherited = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+        env = {**inherited, "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
         proc = subprocess.Popen(
             [sys.executable, *launcher, "-m", "deploy.cli", *args],
             stdout=out,
@@ -82,3 +90,31 @@ def smoke_args(tmp_path: Path, tiny_model: Path, port: int, *extra: str) -> list
         f"run.out_dir={tmp_path / 'run'}",
         *extra,
     ]
+
+
+@pytest.fixture(scope="module")
+def single_process_group():
+    """The env DeepSpeed reads for a world of one, set for the using module only (subprocesses
+    started by other tests must not inherit it); one thread, since the machine is shared. The
+    process group the first learner creates lives until the session ends: DeepSpeed keeps it, so
+    destroying it would break the next module's learners."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+        }.items():
+            env.setenv(key, value)
+        yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _destroy_process_group():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port
 from deepspeed.runtime.zero import GatheredParameters
@@ -56,25 +55,7 @@ COMPARED = (
 FAR_OFF = -1e30  # a finite but absurd behavior log-prob: pi_prox / mu overflows without the clamp
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_process_group():
-    """The env DeepSpeed reads for a world of one, set for this module only (subprocesses started
-    by other tests must not inherit it); one thread, since the machine is shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in {
-            "RANK": "0",
-            "WORLD_SIZE": "1",
-            "LOCAL_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
-        }.items():
-            env.setenv(key, value)
-        yield
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_process_group")
 
 
 def build_learner(

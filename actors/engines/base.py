@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from common.lora import AdapterRefused
+
 
 @dataclass
 class SamplingParams:
@@ -85,6 +87,18 @@ class Engine(ABC):
 
     @abstractmethod
     def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def load_adapter(self, version: int, tensors: dict[str, torch.Tensor], base: str) -> None:
+        """Apply a LoRA adapter (``common.lora``) for the base model with fingerprint ``base``."""
+        raise AdapterRefused(f"{type(self).__name__} cannot apply LoRA adapters")
+
+    def load_version(self, manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """A fetched version, full weights or an adapter as its manifest says. Raises ValueError
+        (``AdapterRefused`` among them) for weights this engine cannot take; it keeps its own."""
+        if "adapter" in manifest:
+            self.load_adapter(manifest["version"], tensors, manifest["adapter"]["base"])
+        else:
+            self.load_weights(manifest["version"], tensors)
 
     def kv_cache_bytes(self) -> int:
         """Bytes of KV cache this process holds for keys in flight (0: none, or kept elsewhere)."""

@@ -20,19 +20,24 @@ Differences from TorchEngine, all forced by sglang and all visible to callers:
 from __future__ import annotations
 
 import secrets
+import tempfile
 from collections.abc import Hashable
 
 import torch
 from transformers import AutoConfig
 
 from actors.engines.base import Engine, Generation, SamplingParams, check_tokens, completes_stop
-from common.model import load_tokenizer
+from common.lora import BaseWeights, factor_pairs, fingerprint, save_peft
+from common.model import load_causal_lm, load_tokenizer
 
 
 class SGLangEngine(Engine):
     """Many concurrent turns and in-place weight updates on an in-process sglang engine."""
 
-    def __init__(self, model_path: str, *, dtype: str = "bfloat16", **server_args: object) -> None:
+    def __init__(
+        self, model_path: str, *, dtype: str = "bfloat16", lora_rank: int = 0, **server_args: object
+    ) -> None:
+        """``lora_rank`` > 0 starts sglang with LoRA support for adapters up to that rank."""
         try:
             import sglang
         except ImportError as err:
@@ -41,9 +46,21 @@ class SGLangEngine(Engine):
             ) from err
         self.tokenizer = load_tokenizer(model_path)
         self.vocab_size = AutoConfig.from_pretrained(model_path, local_files_only=True).vocab_size
+        if lora_rank:
+            server_args = {
+                "enable_lora": True,
+                "max_lora_rank": lora_rank,
+                "lora_target_modules": ["all"],
+                **server_args,
+            }
         self.engine = sglang.Engine(model_path=model_path, dtype=dtype, **server_args)
         self.pending: dict[Hashable, tuple[list[int], SamplingParams]] = {}
         self.version = 0
+        # LoRA: the base model (fingerprinted from its files, once) and the adapter in use
+        self.base = BaseWeights(
+            lambda: fingerprint(load_causal_lm(model_path, dtype=torch.bfloat16))
+        )
+        self.adapter: tuple[str, tempfile.TemporaryDirectory] | None = None
 
     def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Copy an exported state dict into the running engine; sglang re-ties embeddings itself."""
@@ -52,7 +69,32 @@ class SGLangEngine(Engine):
         )
         if not success:
             raise RuntimeError(f"sglang refused the weights of version {version}: {message}")
+        self.base.replaced = True
+        self._drop_adapter()
         self.version = version
+
+    def load_adapter(self, version: int, tensors: dict[str, torch.Tensor], base: str) -> None:
+        """Hand the adapter to sglang's own LoRA support (written as a peft directory, loaded
+        under the name ``v<version>``); later turns run with it, unmerged, and the previous
+        adapter is unloaded."""
+        self.base.check(version, base)
+        name, directory = f"v{version}", tempfile.TemporaryDirectory(prefix="asyncppo-lora-")
+        save_peft(factor_pairs(tensors), directory.name)
+        result = self.engine.load_lora_adapter(name, directory.name)
+        if not result.success:
+            directory.cleanup()
+            raise RuntimeError(
+                f"sglang refused the adapter of version {version}: {result.error_message}"
+            )
+        self._drop_adapter()
+        self.adapter, self.version = (name, directory), version
+
+    def _drop_adapter(self) -> None:
+        if self.adapter is not None:
+            name, directory = self.adapter
+            self.engine.unload_lora_adapter(name)
+            directory.cleanup()
+            self.adapter = None
 
     def submit(self, key: Hashable, context: list[int], params: SamplingParams) -> None:
         if params.top_p < 1.0:
@@ -75,10 +117,12 @@ class SGLangEngine(Engine):
         keys, turns = list(self.pending), list(self.pending.values())
         self.pending.clear()
         version = self.version
+        lora = {} if self.adapter is None else {"lora_path": [self.adapter[0]] * len(turns)}
         results = self.engine.generate(
             input_ids=[context for context, _ in turns],
             sampling_params=[self._request_params(params) for _, params in turns],
             return_logprob=True,
+            **lora,
         )
         finished = []
         for key, (_, params), result in zip(keys, turns, results, strict=True):

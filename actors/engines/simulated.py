@@ -61,6 +61,10 @@ class SimulatedEngine(Engine):
         """Adopt the version; the tensors are not used (there is no model)."""
         self.version = version
 
+    def load_adapter(self, version: int, tensors: dict[str, torch.Tensor], base: str) -> None:
+        """Adopt the version, as for full weights."""
+        self.version = version
+
     def submit(self, key: Hashable, context: list[int], params: SamplingParams) -> None:
         check_tokens(context, self.vocab_size, "context")
         if key in self.turns:

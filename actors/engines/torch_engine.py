@@ -43,6 +43,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from actors.engines.base import Engine, Generation, SamplingParams, add_token, check_tokens
+from common.lora import BaseWeights, apply_adapter, factor_pairs, fingerprint
 from common.model import load_causal_lm, load_exported_state_dict, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -189,6 +190,9 @@ class TorchEngine(Engine):
         self.max_position = (self.context_limit or 2**62) - 1  # where padding's positions stop
         self.on_swap = on_swap
         self.version = 0
+        # LoRA: the base model adapters apply to, and the base values of the weights they changed
+        self.base = BaseWeights(lambda: fingerprint(self.model))
+        self.adapted_base: dict[str, torch.Tensor] = {}
         self.slots: list[_Row | None] = []
         self.by_key: dict[Hashable, _Row] = {}
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, see _SlotLayer
@@ -198,6 +202,21 @@ class TorchEngine(Engine):
     def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Swap in an exported state dict (tied tensors once) and adopt its version."""
         load_exported_state_dict(self.model, tensors)
+        self.base.replaced, self.adapted_base = True, {}
+        self._swapped(version)
+
+    def load_adapter(self, version: int, tensors: dict[str, torch.Tensor], base: str) -> None:
+        """Merge a LoRA adapter into the weights: W = W_base + B·A for every adapted W, from a
+        kept copy of the base values of just those weights (docs/architecture.md, "LoRA").
+
+        Merged rather than run beside the weights: a merge costs one small matmul per adapted
+        weight per version, an unmerged adapter two extra matmuls per adapted layer per token
+        (bench/lora.py measures both)."""
+        self.base.check(version, base)
+        apply_adapter(self.model, factor_pairs(tensors), self.adapted_base)
+        self._swapped(version)
+
+    def _swapped(self, version: int) -> None:
         self.version = version
         if self.on_swap == "reencode":
             for row in self.by_key.values():
