@@ -312,6 +312,12 @@ class LearnerConfig:
     critic_updates: int = param(1, "Critic updates per policy update.", minimum=1)
     value_coef: float = param(0.5, "Weight of the value loss with a shared critic.")
     kl_coef: float = param(0.0, "KL penalty to the frozen initial policy (0 = off, the default).")
+    entropy_coef: float = param(
+        0.0,
+        "Entropy bonus: the policy loss minus this times the mean entropy of pi_theta over the "
+        "action tokens (0 = off, the default).",
+        minimum=0,
+    )
     zero_stage: int = param(1, "DeepSpeed ZeRO stage 0-3.", minimum=0, maximum=3)
     grad_clip: float = param(1.0, "Gradient-norm clipping.")
     checkpoint_dir: str | None = param(None, "Where checkpoints go; default <run dir>/checkpoints.")

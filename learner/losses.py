@@ -196,6 +196,21 @@ def value_loss(
     return per_token.sum() / _denominator(mask, denominator)
 
 
+def entropy_bonus(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    denominator: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mean entropy H_t of pi_theta over the action tokens, sum_mask H_t / denominator; the loss
+    subtracts entropy_coef times it, so a policy cannot collapse onto one answer before the
+    reward has told it which (off by default, as in the recipes this project follows)."""
+    check_same_shape(entropy=entropy, mask=mask)
+    mask = as_bool_mask(mask)
+    (entropy,) = _select(mask, entropy)
+    return entropy.sum() / _denominator(mask, denominator)
+
+
 def kl_penalty(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,

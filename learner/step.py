@@ -22,7 +22,13 @@ from common.config import LearnerConfig
 from common.trajectory import Segment
 from learner.algorithms import ADVANTAGE_NORMS, ESTIMATORS, Scores, Targets, behavior_weights
 from learner.batch import Batch
-from learner.losses import clip_schedule, kl_penalty, ppo_policy_loss, value_loss
+from learner.losses import (
+    clip_schedule,
+    entropy_bonus,
+    kl_penalty,
+    ppo_policy_loss,
+    value_loss,
+)
 from learner.models import (
     Critic,
     Policy,
@@ -153,10 +159,13 @@ class TrainStep:
             n_micro=int(self.reduce([float(len(mbs))], "max")[0]),
         )
         # A batch whose every kept advantage is 0 (GRPO groups that all tie) has a zero policy
-        # gradient, yet Adam's momentum would still move the policy: no policy step then.
+        # gradient, yet Adam's momentum would still move the policy: no policy step then, unless
+        # the entropy bonus gives the step a gradient of its own.
         signal = float((targets.advantages * (weights != 0)).abs().max()) if len(batch) else 0.0
         (signal,) = self.reduce([signal], "max")
-        train_policy = index >= self.lc.critic_warmup_steps and signal > 0
+        train_policy = index >= self.lc.critic_warmup_steps and (
+            signal > 0 or self.lc.entropy_coef > 0
+        )
         losses = self._optimise(step, train_policy=train_policy)
         moved = train_policy or self.models.shared
         (kl,) = self.reduce([self._update_kl(step) if moved else 0.0], "sum")
@@ -300,7 +309,11 @@ class TrainStep:
         lc, m, b = self.lc, self.models, step.batch
         ids, attn, temps = b.inputs(rows, self.device)
         out = m.policy(ids, attn)
-        lp = token_logprobs(out[0] if m.shared else out, ids, temps)
+        logits = out[0] if m.shared else out
+        if lc.entropy_coef:  # the entropy's graph costs a [B, T, vocab] tensor: only when used
+            lp, entropy = token_logprobs_and_entropy(logits, ids, temps)
+        else:
+            lp = token_logprobs(logits, ids, temps)
         take = lambda x: b.take(x, rows, self.device)  # noqa: E731
         mask = take(b.action_mask)
         loss, stats = ppo_policy_loss(
@@ -321,6 +334,10 @@ class TrainStep:
         if step.scores.ref is not None:
             kl = kl_penalty(lp, take(step.scores.ref), mask, denominator=step.denominator)
             loss = loss + lc.kl_coef * kl
+        if lc.entropy_coef:
+            loss = loss - lc.entropy_coef * entropy_bonus(
+                entropy, mask, denominator=step.denominator
+            )
         if m.shared:
             vl = value_loss(
                 shift_to_tokens(out[1]),

@@ -416,6 +416,17 @@ def test_grpo_trains_on_group_advantages_without_a_critic(new_learner, tiny_mode
     assert stats["zero_advantage_fraction"] == 1.0
 
 
+def test_the_entropy_bonus_alone_moves_the_policy_towards_more_entropy(new_learner, tiny_model):
+    """Tied groups carry no policy gradient; with entropy_coef > 0 the bonus still does, and the
+    policy's entropy on the batch rises (the step reports pi_prox's, so the next step's shows it)."""
+    tied = on_policy(grpo_batch([1.0, 1.0, 0.0, 0.0]), tiny_model)
+    learner = new_learner("learner.algorithm=grpo", "actor.group_size=2", "learner.entropy_coef=1")
+    before = snapshot(learner)
+    first = learner.train_step(tied)
+    assert first["policy_updated"] == 1.0 and changed(before, snapshot(learner))
+    assert learner.train_step(tied)["entropy"] > first["entropy"]
+
+
 @pytest.mark.parametrize("norm", ["none", "centre", "whiten"])
 def test_advantage_normalisation_uses_the_action_tokens_only(norm):
     """Centred: mean 0 over action tokens; whitened: also std 1; observations and padding stay 0."""

@@ -7,6 +7,7 @@ import torch
 
 from learner.losses import (
     clip_schedule,
+    entropy_bonus,
     icepop,
     kl_penalty,
     ppo_policy_loss,
@@ -174,10 +175,22 @@ def test_kl_penalty_k3():
     assert logprobs.grad.tolist() == pytest.approx([-0.5, 0.0, 0.0])
 
 
+def test_entropy_bonus_is_the_mean_over_action_tokens():
+    # H = [1.5, 0.5, masked]: the mean over the 2 action tokens is 1.0; a denominator of 4 counts
+    # tokens of other micro-batches too
+    entropy = torch.tensor([1.5, 0.5, NAN], requires_grad=True)
+    bonus = entropy_bonus(entropy, torch.tensor([1, 1, 0]))
+    bonus.backward()
+    assert bonus.item() == pytest.approx(1.0)
+    assert entropy.grad.tolist() == pytest.approx([0.5, 0.5, 0.0])
+    assert entropy_bonus(entropy.detach(), torch.tensor([1, 1, 0]), denominator=4).item() == 0.5
+
+
 LOSSES = {
     "ppo": lambda x, y, z, m, d: ppo_policy_loss(x, y, z, torch.ones_like(x), m, denominator=d)[0],
     "value": lambda x, y, z, m, d: value_loss(x, y, z, m, denominator=d),
     "kl": lambda x, y, z, m, d: kl_penalty(x, y, m, denominator=d),
+    "entropy": lambda x, y, z, m, d: entropy_bonus(x, m, denominator=d),
 }
 
 
