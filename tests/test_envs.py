@@ -185,9 +185,10 @@ def test_digits_exact_answer_earns_one_and_ends_the_episode():
 
 def test_digits_partial_credit():
     assert digits_reward("12", 12) == 1.0
-    assert digits_reward("13", 12) == 0.5  # all-digit wrong answer: format credit only
-    assert digits_reward("9999", 12) == 0.5  # four digits fill the first-4 window
-    assert digits_reward("a7bc", 12) == 0.125  # one digit among the first four characters
+    assert digits_reward(" 12\n", 12) == digits_reward("12 cats", 12) == 1.0  # the leading number
+    assert digits_reward("13", 12) == 0.5  # a wrong number: format credit only
+    assert digits_reward("56789567", 12) == 0.0  # a digit run is not an answer
+    assert digits_reward("a7bc", 12) == 0.0  # nor a digit after something else
     assert digits_reward("abcd", 12) == 0.0
     assert digits_reward("²", 2) == 0.0  # unicode digits are not the answer format
 

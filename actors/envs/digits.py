@@ -3,27 +3,28 @@
 from __future__ import annotations
 
 import random
+import re
 
 from actors.envs.base import StepResult, check_seed, check_step
 
-ASCII_DIGITS = frozenset("0123456789")
+LEADING_NUMBER = re.compile(r"\s*([0-9]+)")  # ASCII digits only: "²" is not an answer
 
 
 def digits_reward(action: str, target: int) -> float:
-    """Reward in [0, 1] with partial credit so that a random policy already scores a little.
+    """Reward in [0, 1]: half for answering with a number, half for the right one.
 
-        answer = action.strip()
-        format = 1                                   if answer is 1-2 ASCII digits
-                 (# ASCII digits in action[:4]) / 4  otherwise
-        reward = 0.5 * format + 0.5 * [answer == str(target)]
+        answer = the ASCII digits the action starts with (after whitespace)
+        reward = 0.5 * [answer has 1-2 digits] + 0.5 * [answer == str(target)]
 
-    The format term gives a smooth path up (any digit, then a short number, then the right one);
-    a policy emitting random bytes gets about 0.5 * P(digit) > 0.
+    What follows the number does not count, so a random policy already scores (any of the
+    tokenizer's short number tokens first). Credit only for a *short* number: the tiny model's
+    vocabulary has digit-run tokens ("56789"), and an earlier rule that credited digits anywhere
+    in the first four characters paid them as much as an answer; the demo's policy learned to
+    repeat "56789".
     """
-    answer = action.strip()
-    is_short_number = 1 <= len(answer) <= 2 and set(answer) <= ASCII_DIGITS
-    format_score = 1.0 if is_short_number else sum(c in ASCII_DIGITS for c in action[:4]) / 4
-    return 0.5 * format_score + 0.5 * float(answer == str(target))
+    match = LEADING_NUMBER.match(action)
+    answer = match.group(1) if match else ""
+    return 0.5 * float(1 <= len(answer) <= 2) + 0.5 * float(answer == str(target))
 
 
 class DigitsEnv:
