@@ -282,7 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port:  # one port per rank under torchrun
         args.metrics_port += rank
     _, health = _serve_role("learner", args, cfg, rank=rank)
-    learner = Learner(cfg, resume=args.resume, health=health)
+    try:
+        learner = Learner(cfg, resume=args.resume, health=health)
+    except ConfigError as exc:  # found only once the model is loaded (learner.lora.target_modules)
+        print(f"asyncppo learner: {exc}", file=sys.stderr)
+        return 2
     try:
         learner.run()
     finally:

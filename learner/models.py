@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 
-from common.config import LoraConfig
+from common.config import ConfigError, LoraConfig
 from common.lora import fingerprint
 
 FULL = LoraConfig()  # rank 0: every weight trains
@@ -29,15 +29,28 @@ def with_adapters(model: PreTrainedModel, lora: LoraConfig) -> nn.Module:
         raise ImportError("learner.lora.rank > 0 needs peft: pip install 'asyncppo[lora]'") from err
 
     targets = lora.target_modules
-    return get_peft_model(
-        model,
-        PeftLoraConfig(
-            r=lora.rank,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules="all-linear" if targets == ["all-linear"] else targets,
-        ),
-    )
+    try:
+        return get_peft_model(
+            model,
+            PeftLoraConfig(
+                r=lora.rank,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules="all-linear" if targets == ["all-linear"] else targets,
+            ),
+        )
+    except ValueError as err:  # peft: no module matches, or one it cannot adapt
+        linear = sorted(
+            {
+                name.rpartition(".")[2]
+                for name, m in model.named_modules()
+                if isinstance(m, nn.Linear)
+            }
+        )
+        raise ConfigError(
+            f"learner.lora.target_modules {targets}: {err} (this model's linear layers: "
+            f"{', '.join(linear)}; or all-linear)"
+        ) from err
 
 
 def causal_lm(path: str, dtype: torch.dtype, lora: LoraConfig) -> tuple[nn.Module, str | None]:

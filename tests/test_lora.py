@@ -167,6 +167,11 @@ def test_config_rejects_empty_target_modules():
         load_config(None, ["learner.lora.target_modules=[]"])
 
 
+def test_target_modules_the_model_lacks_are_a_config_error_naming_its_layers(tiny_model, tmp_path):
+    with pytest.raises(ConfigError, match=r"learner.lora.target_modules \['qkv'\].*q_proj"):
+        build_learner(tiny_model, tmp_path, *LORA, 'learner.lora.target_modules=["qkv"]')
+
+
 def test_peft_format_written_for_sglang_loads_in_peft_with_the_same_logits(
     tmp_path, tiny_model, stepped
 ):
