@@ -230,9 +230,7 @@ class Learner:
         if self.rank != 0:
             return {}
         if lora.rank:
-            return adapter_tensors(
-                module.state_dict() if state is None else state, lora.alpha / lora.rank
-            )
+            return self._adapter(module.state_dict() if state is None else state)
         if state is None:
             return state_dict_for_export(module)
         prefix, tied = "policy.", tied_keys(module)
@@ -241,6 +239,12 @@ class Learner:
             for key, tensor in state.items()
             if key.startswith(prefix) and (name := key[len(prefix) :]) not in tied
         }
+
+    def _adapter(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The policy's adapter as it travels (``common.lora``: B scaled by alpha / rank), from a
+        state dict holding it."""
+        lora = self.lc.lora
+        return adapter_tensors(state, lora.alpha / lora.rank)
 
     def _get_batch(self) -> list[Segment]:
         """Rank 0 waits for a batch; every rank gets the same segments, validated by the wire decoder."""
@@ -443,8 +447,7 @@ class Learner:
             module.save_pretrained(out_dir)
             return
         model = load_causal_lm(self.cfg.model.path, dtype=DTYPES[self.cfg.model.dtype])
-        pairs = factor_pairs(adapter_tensors(module.state_dict(), lora.alpha / lora.rank))
-        apply_adapter(model, pairs, {})
+        apply_adapter(model, factor_pairs(self._adapter(module.state_dict())), {})
         model.save_pretrained(out_dir)
 
     def close(self) -> None:
