@@ -17,6 +17,8 @@ docs/results/ (`<name>.json`/`.png`; `<name>_quick.*` for --quick).
 A Makefile target would be `for e in ppo_vs_grpo icepop staleness async; do $(PY)
 bench/experiments.py $$e; done`. --quick finishes in a few minutes per experiment (what the slow
 tests run); the full settings take tens of minutes on 2 CPU cores. --max-wall caps every run.
+--reuse takes the runs the existing report already holds from it: `--seeds 5 --reuse` after a
+3-seed report runs only seeds 3 and 4.
 
 Measures, per run (from the step log):
 * reward / success rate per step against cumulative episodes trained (environment samples);
@@ -997,10 +999,36 @@ EXPERIMENTS = {
 }
 
 
+def run_key(name: str, seed: int, labels: dict[str, Any], overrides: dict[str, Any]) -> str:
+    """What makes two runs the same run: name, seed, labels and overrides, as JSON."""
+    return json.dumps([name, seed, labels, overrides], sort_keys=True, default=float)
+
+
+def reusable_records(json_path: Path) -> dict[str, dict[str, Any]]:
+    """The finished runs of an earlier report, by `run_key` (none if there is no report)."""
+    if not json_path.exists():
+        return {}
+    runs = json.loads(json_path.read_text())["runs"]
+    return {
+        run_key(r["name"], r["seed"], r["labels"], r["overrides"]): r
+        for r in runs
+        if r["returncode"] == 0
+    }
+
+
 def run_experiment(
-    name: str, quick: bool, seeds: int | None, out_dir: Path, max_wall: float | None
+    name: str,
+    quick: bool,
+    seeds: int | None,
+    out_dir: Path,
+    max_wall: float | None,
+    reuse: bool = False,
 ) -> Path:
-    """Run every configuration of one experiment; write `<name>[_quick].json` and `.png`."""
+    """Run every configuration of one experiment; write `<name>[_quick].json` and `.png`.
+
+    With `reuse`, a run the existing report already holds (same name, seed, labels and
+    overrides, exit code 0) is taken from it instead of run again: adding seeds to an
+    experiment costs only the new seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1015,9 +1043,18 @@ def run_experiment(
     runs = exp.make_runs(quick, n_seeds)
     if max_wall is not None:
         runs = [dataclasses.replace(r, wall_s=min(r.wall_s, max_wall)) for r in runs]
-    t0 = time.monotonic()
-    records = [run_record(launch(run, name)) for run in runs]
     stem = f"{name}_quick" if quick else name
+    json_path = out_dir / f"{stem}.json"
+    earlier = reusable_records(json_path) if reuse else {}
+    t0 = time.monotonic()
+    records, reused = [], []
+    for run in runs:
+        record = earlier.get(run_key(run.name, run.seed, run.labels, run.overrides))
+        if record is None:
+            record = run_record(launch(run, name))
+        else:
+            reused.append(run.name)
+        records.append(record)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         "experiment": name,
@@ -1027,10 +1064,10 @@ def run_experiment(
         "model": exp.model,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "wall_seconds": round(time.monotonic() - t0, 1),
+        "reused_runs": reused,  # taken from the earlier report (--reuse), not run again
         "summary": exp.summarize(records),
         "runs": records,
     }
-    json_path = out_dir / f"{stem}.json"
     json_path.write_text(json.dumps(report, indent=1, default=float) + "\n")
     fig, axes = plt.subplots(1, exp.panels, figsize=(5.5 * exp.panels, 4.2), squeeze=False)
     exp.plot(records, list(axes[0]))
@@ -1060,8 +1097,13 @@ def main() -> None:
     ap.add_argument(
         "--max-wall", type=float, default=None, help="cap every run at this many seconds"
     )
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take runs the existing report already holds from it (add seeds without rerunning)",
+    )
     args = ap.parse_args()
-    run_experiment(args.experiment, args.quick, args.seeds, args.out, args.max_wall)
+    run_experiment(args.experiment, args.quick, args.seeds, args.out, args.max_wall, args.reuse)
 
 
 if __name__ == "__main__":

@@ -113,6 +113,51 @@ def test_final_reward_and_smoothing():
     assert experiments.smooth([0, 3, 6, 9], window=2).tolist() == [0, 1.5, 4.5, 7.5]
 
 
+def test_reuse_runs_only_what_the_earlier_report_lacks(tmp_path, monkeypatch):
+    """--reuse: adding seeds launches only the new seeds; a failed or changed run runs again."""
+    overrides = {"x": 1}
+    fields = ("reward_mean", "tokens", "icepop_kept_fraction", "importance_weight_mean")
+    fields += ("importance_weight_max", "max_staleness", "step_seconds", "time")
+    fields += ("explained_variance", "approx_kl", "episodes")
+
+    def make_runs(quick: bool, seeds: int) -> list:
+        return [experiments.Run(f"r-s{s}", {"arm": "a"}, dict(overrides), s) for s in range(seeds)]
+
+    def launch(run, name):
+        launched.append(run.name)
+        step = {k: 0.0 for k in fields} | {"episode_rewards": [1.0], "staleness_histogram": [1]}
+        return experiments.Result(run, {"episodes_trained": 1}, [step])
+
+    fake = experiments.Experiment(
+        make_runs, lambda records: {"n": len(records)}, lambda records, axes: None, 1, 1, "c"
+    )
+    monkeypatch.setitem(experiments.EXPERIMENTS, "fake", fake)
+    monkeypatch.setattr(experiments, "launch", launch)
+    report_path = tmp_path / "fake.json"
+
+    launched: list[str] = []
+    experiments.run_experiment("fake", False, 2, tmp_path, None, reuse=True)
+    assert launched == ["r-s0", "r-s1"]  # no report yet: everything runs
+
+    report = json.loads(report_path.read_text())
+    report["runs"][1]["returncode"] = 1  # a failed run is not reused
+    report_path.write_text(json.dumps(report))
+    launched.clear()
+    experiments.run_experiment("fake", False, 3, tmp_path, None, reuse=True)
+    assert launched == ["r-s1", "r-s2"]
+    report = json.loads(report_path.read_text())
+    assert report["reused_runs"] == ["r-s0"] and report["summary"] == {"n": 3}
+    assert [r["name"] for r in report["runs"]] == ["r-s0", "r-s1", "r-s2"]
+
+    overrides["x"] = 2  # a changed configuration is a different run
+    launched.clear()
+    experiments.run_experiment("fake", False, 1, tmp_path, None, reuse=True)
+    assert launched == ["r-s0"]
+    launched.clear()
+    experiments.run_experiment("fake", False, 1, tmp_path, None, reuse=False)
+    assert launched == ["r-s0"]  # without --reuse every run runs
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # 8 runs, each scored on the held-out set twice: ~9 minutes
 def test_long_horizon_quick(tmp_path):
