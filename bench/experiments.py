@@ -235,24 +235,24 @@ def episodes_to_reach(runs: list[dict], level: float, window: int = 5) -> int | 
     return int(runs[0]["episodes"][reached[0]]) if reached.size else None
 
 
+SERIES_KEYS = (  # the step-log fields every learner writes, kept per step in a run record
+    "reward_mean",
+    "tokens",
+    "icepop_kept_fraction",
+    "importance_weight_mean",
+    "importance_weight_max",
+    "max_staleness",
+    "step_seconds",
+    "time",
+    "explained_variance",
+    "approx_kl",
+)
+
+
 def run_record(res: Result) -> dict[str, Any]:
     """What the JSON keeps of a run: configuration, summary, per-step series and derived metrics."""
     steps = res.steps
-    series = {
-        key: [s[key] for s in steps]
-        for key in (
-            "reward_mean",
-            "tokens",
-            "icepop_kept_fraction",
-            "importance_weight_mean",
-            "importance_weight_max",
-            "max_staleness",
-            "step_seconds",
-            "time",
-            "explained_variance",
-            "approx_kl",
-        )
-    }
+    series = {key: [s[key] for s in steps] for key in SERIES_KEYS}
     series.update(  # written by learners since the update statistics landed (issue 14)
         {
             key: [s.get(key) for s in steps]

@@ -116,9 +116,7 @@ def test_final_reward_and_smoothing():
 def test_reuse_runs_only_what_the_earlier_report_lacks(tmp_path, monkeypatch):
     """--reuse: adding seeds launches only the new seeds; a failed or changed run runs again."""
     overrides = {"x": 1}
-    fields = ("reward_mean", "tokens", "icepop_kept_fraction", "importance_weight_mean")
-    fields += ("importance_weight_max", "max_staleness", "step_seconds", "time")
-    fields += ("explained_variance", "approx_kl", "episodes")
+    fields = (*experiments.SERIES_KEYS, "episodes")
 
     def make_runs(quick: bool, seeds: int) -> list:
         return [experiments.Run(f"r-s{s}", {"arm": "a"}, dict(overrides), s) for s in range(seeds)]
