@@ -19,7 +19,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,21 @@ def score(records: list[dict[str, Any]]) -> dict[str, Any]:
 class Played:
     seed: int
     horizon: int | None
+    # What the environment's info said before each turn (before the first: nothing): the state
+    # a critic's value is scored against (``learner.critic_eval``).
+    states: list[tuple] = field(default_factory=lambda: [()])
+
+
+def state_of(info: dict[str, Any]) -> tuple:
+    """An episode's progress as its environment reports it, hashable: the scalar info fields
+    but the outcome."""
+    return tuple(
+        sorted(
+            (k, v)
+            for k, v in info.items()
+            if k != "success" and isinstance(v, (int, float, str, bool))
+        )
+    )
 
 
 def evaluate(
@@ -139,9 +154,11 @@ def evaluate(
     instances: list[tuple[int, int | None]],
     *,
     beat: Callable[[str], None] = lambda what: None,
+    on_episode: Callable[[Played, Episode], None] = lambda played, ep: None,
 ) -> dict[str, Any]:
     """Play every held-out instance once with the engine's current weights; the scores overall
-    and per horizon bucket, and one record per episode."""
+    and per horizon bucket, and one record per episode. ``on_episode`` sees every episode that
+    ended without an error, with the states it passed through."""
     t0 = time.monotonic()
 
     def record(played: Played, ep: Episode | None, error: str | None) -> dict[str, Any]:
@@ -185,8 +202,12 @@ def evaluate(
             tokens += len(turn.generation.token_ids)
             ep = turn.episode
             if turn.error is None and not ep.done:
+                playing[ep.episode_id].states.append(state_of(ep.info))
                 continue
-            records.append(record(playing.pop(ep.episode_id), ep, turn.error))
+            played = playing.pop(ep.episode_id)
+            records.append(record(played, ep, turn.error))
+            if turn.error is None:
+                on_episode(played, ep)
     edges = cfg.eval.horizon_buckets
     order = [bucket_name(e, edges) for e in edges] + [f">{edges[-1]}", "all"]
     buckets = [b for b in order if any(r["bucket"] == b for r in records)]

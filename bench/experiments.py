@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
 import shutil
@@ -147,6 +148,9 @@ class Run:
     wall_s: float = 120.0
     config: str | None = None  # a configs/ YAML under the overrides (default: the built-in config)
     evaluate: bool = False  # score the final policy on the held-out set (`asyncppo eval`)
+    # learner steps whose checkpoint's critic is scored on held-out episodes beside the
+    # Monte-Carlo value function (`asyncppo eval --checkpoint`)
+    critic_steps: tuple[int, ...] = ()
 
 
 @dataclass
@@ -156,6 +160,7 @@ class Result:
     steps: list[dict[str, Any]] = field(default_factory=list)
     returncode: int = 0
     held_out: dict[str, Any] | None = None  # `asyncppo eval` of the final policy
+    critic_curve: list[dict[str, Any]] = field(default_factory=list)  # per run.critic_steps
 
 
 # ---------------------------------------------------------------------------- metrics (pure)
@@ -276,6 +281,7 @@ def run_record(res: Result) -> dict[str, Any]:
         "staleness_histogram": staleness.tolist(),
         "final_reward": final_reward(steps),
         "held_out": res.held_out,
+        "critic_curve": res.critic_curve,
         **pipeline_rates(steps),
     }
 
@@ -303,6 +309,7 @@ def launch(run: Run, experiment: str) -> Result:
         "run.out_dir": str(run_dir.relative_to(ROOT)),
         "run.max_wall_s": run.wall_s,
         **({"learner.export_dir": str(run_dir / "export")} if run.evaluate else {}),
+        **({"learner.checkpoint_every": math.gcd(*run.critic_steps)} if run.critic_steps else {}),
     }
     cmd = [
         sys.executable,
@@ -340,12 +347,23 @@ def launch(run: Run, experiment: str) -> Result:
         {
             "start": start_eval(overrides, run_dir, run.config),
             "final": held_out_eval(
-                str(run_dir / "export"), overrides, run_dir / "eval.json", run.config
+                ["--model", str(run_dir / "export")], overrides, run_dir / "eval.json", run.config
             ),
         }
         if run.evaluate and (run_dir / "export" / "config.json").exists()
         else None
     )
+    critic_curve = [
+        {"step": step}
+        | held_out_eval(
+            ["--checkpoint", str(run_dir / "checkpoints"), "--tag", f"step{step}"],
+            overrides,
+            run_dir / f"eval_critic_step{step}.json",
+            run.config,
+        )
+        for step in run.critic_steps
+        if (run_dir / "checkpoints" / "policy" / f"step{step}").is_dir()
+    ]
     print(
         f"[{experiment}] {run.name}: {len(steps)} steps, final reward {final_reward(steps):.3f}, "
         + (
@@ -357,7 +375,7 @@ def launch(run: Run, experiment: str) -> Result:
         + f"{time.monotonic() - t0:.0f}s, rc {code}",
         flush=True,
     )
-    return Result(run, summary, steps, code, held_out)
+    return Result(run, summary, steps, code, held_out, critic_curve)
 
 
 _START_EVALS: dict[str, dict[str, Any]] = {}
@@ -370,22 +388,22 @@ def start_eval(overrides: dict[str, Any], run_dir: Path, config: str | None) -> 
     key = json.dumps([overrides.get(k) for k in keys], sort_keys=True)
     if key not in _START_EVALS:
         _START_EVALS[key] = held_out_eval(
-            overrides["model.path"], overrides, run_dir / "eval_start.json", config
+            ["--model", overrides["model.path"]], overrides, run_dir / "eval_start.json", config
         )
     return _START_EVALS[key]
 
 
 def held_out_eval(
-    model: str, overrides: dict[str, Any], out: Path, config: str | None = None
+    policy: list[str], overrides: dict[str, Any], out: Path, config: str | None = None
 ) -> dict[str, Any]:
-    """`asyncppo eval --model` on the run's environment: the held-out set, never trained on."""
+    """`asyncppo eval` of `policy` (``--model DIR`` or ``--checkpoint DIR --tag T``) on the run's
+    environment: the held-out set, never trained on."""
     cmd = [
         sys.executable,
         "-m",
         "deploy.cli",
         "eval",
-        "--model",
-        model,
+        *policy,
         "--out",
         str(out),
         *(["--config", config] if config else []),
@@ -502,17 +520,30 @@ CRITICS = {  # label -> learner overrides; "separate" is long_horizon's critic P
 }
 
 
+# Steps whose checkpoint's critic the critic experiment scores on held-out episodes (the target:
+# >= 0.8 of the Monte-Carlo value function's explained variance before step 30).
+CRITIC_STEPS = (10, 20, 30, 60, 120)
+
+
 def critic_runs(quick: bool, seeds: int) -> list[Run]:
     """Critic PPO on the chain (early termination) with three critics: does any explain the
-    return (explained variance), and does that buy held-out success?"""
+    return (explained variance, in training and on held-out episodes beside the value
+    function's), and does that buy held-out success?"""
     return [
-        chain_run(
-            f"{label.split(',')[0]}{'-fast' if ',' in label else ''}-s{seed}",
-            {"task": "early", "algorithm": f"ppo, {label}"},
-            quick,
-            seed,
-            120,
-            **{"actor.env_kwargs": CHAIN_VARIANTS["early"], "learner.algorithm": "ppo", **extra},
+        dataclasses.replace(
+            chain_run(
+                f"{label.split(',')[0]}{'-fast' if ',' in label else ''}-s{seed}",
+                {"task": "early", "algorithm": f"ppo, {label}"},
+                quick,
+                seed,
+                120,
+                **{
+                    "actor.env_kwargs": CHAIN_VARIANTS["early"],
+                    "learner.algorithm": "ppo",
+                    **extra,
+                },
+            ),
+            critic_steps=(5, 10, 15) if quick else CRITIC_STEPS,
         )
         for label, extra in CRITICS.items()
         for seed in range(seeds)
@@ -568,6 +599,32 @@ def summarize_long_horizon(records: list[dict]) -> dict[str, Any]:
                 ]
             ),
             "action_tokens_trained": seed_interval([float(sum(r["series"]["tokens"])) for r in rs]),
+        }
+    return out
+
+
+def summarize_critic(records: list[dict]) -> dict[str, Any]:
+    """``summarize_long_horizon``, and per arm and scored step the critic's held-out explained
+    variance, the Monte-Carlo value function's, and their ratio (mean over seeds, 95% t-interval)."""
+    out = summarize_long_horizon(records)
+    for (task, algo), rs in groups(records, "task", "algorithm").items():
+        by_step: dict[int, list[dict]] = {}
+        for r in rs:
+            for point in r.get("critic_curve") or []:
+                by_step.setdefault(point["step"], []).append(point["critic"])
+        if f"{task}/{algo}" not in out or not by_step:
+            continue
+        out[f"{task}/{algo}"]["held_out_critic"] = {
+            step: {
+                "critic_ev": seed_interval([c["critic_explained_variance"] for c in cs]),
+                "value_function_ev": seed_interval(
+                    [c["value_function_explained_variance"] for c in cs]
+                ),
+                "fraction": seed_interval(
+                    [c["critic_fraction_of_value_function"] or 0.0 for c in cs]
+                ),
+            }
+            for step, cs in sorted(by_step.items())
         }
     return out
 
@@ -943,7 +1000,7 @@ EXPERIMENTS = {
     ),
     "critic": Experiment(
         critic_runs,
-        summarize_long_horizon,
+        summarize_critic,
         plot_long_horizon,
         2,
         2,

@@ -389,6 +389,12 @@ class EvalConfig:
         "Upper edges of the horizon buckets (turns an instance needs) that the held-out set is "
         "stratified over and scored per: [5, 15, 50] is 1-5, 6-15, 16-50.",
     )
+    value_samples: int = param(
+        16,
+        "`eval --checkpoint`: plays of every held-out instance; a state's Monte-Carlo value is "
+        "the mean return of the other plays through it (the critic's reference).",
+        minimum=2,
+    )
 
 
 @dataclass

@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="an evaluator beside training: every eval.every_versions-th version the broker "
         "publishes, appended to <run dir>/eval.jsonl, until stopped",
     )
+    which.add_argument(
+        "--checkpoint",
+        help="a learner checkpoint directory (learner.checkpoint_dir): its policy, and its critic "
+        "scored against the Monte-Carlo value function (eval.value_samples plays an instance)",
+    )
+    ev.add_argument("--tag", help="with --checkpoint: the tag to load (default: its latest)")
     ev.add_argument("--out", help="write the result (with every episode) as JSON here")
     pl = sub.add_parser("plot", help="plot a run directory: training steps, held-out evaluations")
     pl.add_argument("--run-dir", required=True, help="run.out_dir of an `up` (or a learner's)")
@@ -152,8 +158,6 @@ def prepare(name: str, out: str) -> int:
 def run_eval(cfg: Any, args: argparse.Namespace) -> int:
     """`asyncppo eval`: one evaluation of a model directory or of the broker's newest version
     (printed, and written whole with --out), or --follow: evaluate alongside training."""
-    import json
-
     from actors.engines import engine_for
     from actors.episode import ChatFormat
     from actors.evaluation import evaluate, fetch_version, follow, held_out_instances
@@ -173,16 +177,59 @@ def run_eval(cfg: Any, args: argparse.Namespace) -> int:
     if args.broker and not fetch_version(cfg, engine):
         print(f"asyncppo eval: broker {cfg.actor.broker} holds no weights", file=sys.stderr)
         return 1
+    if args.checkpoint:
+        return eval_checkpoint(cfg, args, engine, fmt)
     result = evaluate(cfg, engine, fmt, held_out_instances(cfg, cfg.eval.episodes))
     if not args.broker:  # a model directory is not a published version
         result["version"] = None
     result["model"] = "broker" if args.broker else path
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    lo, hi = result["success_ci95"]
+    report_eval(result, args.out)
+    return 0
+
+
+def eval_checkpoint(cfg: Any, args: argparse.Namespace, engine: Any, fmt: Any) -> int:
+    """`asyncppo eval --checkpoint DIR`: the checkpoint's policy plays every held-out instance
+    eval.value_samples times, and its critic is scored on those episodes' turns."""
+    from actors.evaluation import evaluate, held_out_instances
+    from learner.critic_eval import load_models, policy_weights, score_critic
+
+    try:
+        models, version = load_models(cfg, Path(args.checkpoint), args.tag)
+    except (OSError, ValueError) as exc:
+        print(f"asyncppo eval: checkpoint {args.checkpoint!r}: {exc}", file=sys.stderr)
+        return 2
+    engine.load_weights(version, policy_weights(models))
+    played: list[tuple] = []
+    result = evaluate(
+        cfg,
+        engine,
+        fmt,
+        held_out_instances(cfg, cfg.eval.episodes) * cfg.eval.value_samples,
+        on_episode=lambda p, ep: played.append((p.seed, p.states, ep.segments)),
+    )
+    result["critic"] = score_critic(cfg, models, played)
+    result["model"] = f"{args.checkpoint}@{args.tag or 'latest'}"
+    report_eval(result, args.out)
+    c = result["critic"]
     print(
-        f"{'version ' + str(result['version']) if args.broker else path}: {result['episodes']} held-out {result['env']} instances: "
+        f"  critic: explained variance {c['critic_explained_variance']:.3f} of the return, "
+        f"Monte-Carlo value function {c['value_function_explained_variance']:.3f} "
+        f"({c['turns_scored']} of {c['turns']} turns, {c['samples_per_instance']} plays an instance)"
+    )
+    return 0
+
+
+def report_eval(result: dict[str, Any], out: str | None) -> None:
+    """Print an evaluation's scores, overall and per horizon bucket; write it whole to `out`."""
+    import json
+
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    lo, hi = result["success_ci95"]
+    version = result["version"]
+    print(
+        f"{result['model'] if version is None else 'version ' + str(version)}: {result['episodes']} held-out {result['env']} instances: "
         f"success {result['success']:.3f} [{lo:.3f}, {hi:.3f}], reward {result['reward']:.3f}"
     )
     for bucket, b in result["buckets"].items():
@@ -190,7 +237,6 @@ def run_eval(cfg: Any, args: argparse.Namespace) -> int:
         print(
             f"  horizon {bucket:>6}: success {b['success']:.3f} [{lo:.3f}, {hi:.3f}] (n={b['episodes']})"
         )
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -182,6 +182,22 @@ def test_cut_bootstrap_quick(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_critic_quick(tmp_path):
+    report = run_quick("critic", tmp_path)
+    for r in report["runs"]:  # each critic scored on held-out episodes at steps 5, 10 and 15
+        assert [p["step"] for p in r["critic_curve"]] == [5, 10, 15]
+        assert all(p["version"] == p["step"] for p in r["critic_curve"])
+        for point in r["critic_curve"]:
+            critic = point["critic"]
+            assert critic["samples_per_instance"] == 16
+            assert 0 < critic["turns_scored"] <= critic["turns"]
+            assert critic["value_function_explained_variance"] <= 1
+    for arm in report["summary"].values():
+        assert set(arm["held_out_critic"]) == {"5", "10", "15"}
+
+
+@pytest.mark.slow
 def test_ppo_vs_grpo_quick(tmp_path):
     report = run_quick("ppo_vs_grpo", tmp_path)
     assert {(r["labels"]["task"], r["labels"]["algorithm"]) for r in report["runs"]} == {
