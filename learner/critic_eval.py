@@ -11,8 +11,8 @@ found, is measured here: ``asyncppo eval --checkpoint DIR`` plays every held-out
   instance that passed through the same state (leave-one-out, so an episode's return never
   predicts itself). A state is the instance and what the environment's ``info`` said before the
   turn (chain: turns played, wrong answers): there the estimate converges to the exact V^π of the
-  policy being evaluated, and its explained variance is the ceiling any critic can reach, up to a
-  sampling noise that lowers it by about 1/K.
+  policy being evaluated, the best predictor of the return from a state; its sampling noise
+  lowers its explained variance by about 1/K, so a critic can come out slightly above it.
 
 Both against the realised return-to-go R_t = Σ_{t' ≥ t} γ^{t'-t} r_{t'} of every turn (population
 variances, as the learner's explained variance): EV = 1 − Var(R − V) / Var(R).
