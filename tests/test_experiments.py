@@ -272,3 +272,18 @@ def test_maze_warmup_demonstrations_type_the_hint_and_mask_only_actions(tiny_mod
                 hint = re.findall(r"Hint: \[([UDLR])\]", text)[-1]
                 follows.append(tokenizer.decode([ids[letter_at]]) == hint)
         assert np.mean(follows) == pytest.approx(expected, abs=0.1)
+
+
+def test_warmup_reuses_a_model_only_when_its_recipe_is_unchanged(tiny_model, tmp_path, monkeypatch):
+    warmup = _load_bench("warmup")
+    monkeypatch.setattr(warmup, "BASE_MODEL", str(tiny_model))
+    out = tmp_path / "warm"
+    recipe = {"env": "chain", "episodes": 20, "turns": 2, "batch": 4}
+    warmup.warm_up(out, steps=2, **recipe)
+    written = json.loads((out / "warmup.json").read_text())
+    assert written["steps"] == 2 and written["hint_rate"] == warmup.RECIPES["chain"]["hint_rate"]
+    weights = (out / "model.safetensors").stat().st_mtime_ns
+    warmup.warm_up(out, steps=2, **recipe)  # same recipe: the directory is reused as it is
+    assert (out / "model.safetensors").stat().st_mtime_ns == weights
+    warmup.warm_up(out, steps=3, **recipe)  # a changed recipe rebuilds it
+    assert json.loads((out / "warmup.json").read_text())["steps"] == 3
