@@ -86,6 +86,16 @@ class Hosts:
             **kw,
         )
 
+    def cable_bytes(self, client: str) -> int:
+        """Bytes the client's namespace sent over its cable (kernel counters, not a probe in time)."""
+        out = subprocess.run(
+            ["ip", "-j", "-s", "-n", self.ns(client), "link", "show", "dev", "eth0"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"]
+
     def start(self, procs, role: str, args: list[str], log) -> subprocess.Popen:
         """``asyncppo <args>`` on the host ``role`` (ip netns exec execs it: the pid is the role's)."""
         cmd = ["ip", "netns", "exec", self.ns(role), sys.executable, "-m", "deploy.cli", *args]
@@ -132,20 +142,26 @@ def test_roles_in_separate_network_namespaces_train_together(tmp_path, tiny_mode
         start(name, "actor", f"actor.id={name}", f"actor.broker={to_broker(name)}")
         for name in ("a1", "a2")
     ]
-    # Every client reaches the broker over its own cable, from its own address. The connections
-    # are collected while the roles run: a fast learner may finish its 3 steps and leave early.
-    expected = {f"10.77.{i}.2" for i in range(1, len(CLIENTS) + 1)}
+    # Each actor reaches the broker over its own cable, from its own address; its connection lasts
+    # as long as it runs. The learner's may last under a second (a fast learner finds the batches
+    # waiting, takes its 3 steps and leaves between two probes), so it is proven by what survives
+    # it: it exits 0, and its cable, the only way out of its namespace, carried its traffic.
+    expected = {f"10.77.{CLIENTS.index(a) + 1}.2" for a in ("a1", "a2")}
     seen: set[str] = set()
 
-    def all_clients_seen() -> bool:
+    def actors_seen() -> bool:
         out = hosts.run("broker", ["ss", "-Htn", "state", "established", f"( sport = :{port} )"])
         seen.update(line.split()[-1].rsplit(":", 1)[0] for line in out.stdout.splitlines())
         return seen >= expected
 
-    wait_for(all_clients_seen, 240, "every client's connection", [broker, *actors])
-    assert seen == expected, seen
+    try:
+        wait_for(actors_seen, 240, "the actors' connections", [broker, *actors])
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; seen only {sorted(seen)}") from None
+    assert seen <= expected | {"10.77.1.2"}, seen
 
     assert learner.wait(timeout=240) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+    assert hosts.cable_bytes("learner") > 0
     steps = steps_of(tmp_path)
     assert len(steps) == 3 and {"a1", "a2"} <= {a for s in steps for a in s["actors"]}
     out = hosts.run("a1", [sys.executable, "-c", STATS_PROBE, to_broker("a1")])
