@@ -623,8 +623,12 @@ def summarize_critic(records: list[dict]) -> dict[str, Any]:
                 "value_function_ev": seed_interval(
                     [c["value_function_explained_variance"] for c in cs]
                 ),
-                "fraction": seed_interval(
-                    [c["critic_fraction_of_value_function"] or 0.0 for c in cs]
+                "fraction": seed_interval(  # undefined where the value function explains nothing
+                    [
+                        c["critic_fraction_of_value_function"]
+                        for c in cs
+                        if c["critic_fraction_of_value_function"] is not None
+                    ]
                 ),
             }
             for step, cs in sorted(by_step.items())
