@@ -519,7 +519,12 @@ def cut_bootstrap_runs(quick: bool, seeds: int) -> list[Run]:
 CRITICS = {  # label -> learner overrides; "separate" is long_horizon's critic PPO
     "separate": {},
     "shared": {"learner.critic": "shared"},
-    "separate, lr 3e-3 x2": {"learner.critic_lr": 3e-3, "learner.critic_updates": 2},
+    # 4 updates a step at a higher lr, after 10 steps that train only the critic
+    "separate, lr 3e-3 x4, 10 critic-only steps": {
+        "learner.critic_lr": 3e-3,
+        "learner.critic_updates": 4,
+        "learner.critic_warmup_steps": 10,
+    },
 }
 
 
