@@ -47,6 +47,9 @@ class Hosts:
     def broker_address(self, client: str) -> str:
         return f"10.77.{CLIENTS.index(client) + 1}.1"
 
+    def client_address(self, client: str) -> str:
+        return f"10.77.{CLIENTS.index(client) + 1}.2"
+
     def build(self) -> None:
         for role in ("broker", *CLIENTS):
             ip("netns", "add", self.ns(role))
@@ -68,8 +71,16 @@ class Hosts:
                 "netns",
                 self.ns(client),
             )
-            ip("-n", hub, "addr", "add", f"10.77.{i}.1/24", "dev", f"veth{i}")
-            ip("-n", self.ns(client), "addr", "add", f"10.77.{i}.2/24", "dev", "eth0")
+            ip("-n", hub, "addr", "add", f"{self.broker_address(client)}/24", "dev", f"veth{i}")
+            ip(
+                "-n",
+                self.ns(client),
+                "addr",
+                "add",
+                f"{self.client_address(client)}/24",
+                "dev",
+                "eth0",
+            )
             ip("-n", hub, "link", "set", f"veth{i}", "up")
             ip("-n", self.ns(client), "link", "set", "eth0", "up")
 
@@ -88,12 +99,7 @@ class Hosts:
 
     def cable_bytes(self, client: str) -> int:
         """Bytes the client's namespace sent over its cable (kernel counters, not a probe in time)."""
-        out = subprocess.run(
-            ["ip", "-j", "-s", "-n", self.ns(client), "link", "show", "dev", "eth0"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        out = self.run(client, ["ip", "-j", "-s", "link", "show", "dev", "eth0"], check=True)
         return json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"]
 
     def start(self, procs, role: str, args: list[str], log) -> subprocess.Popen:
@@ -146,7 +152,7 @@ def test_roles_in_separate_network_namespaces_train_together(tmp_path, tiny_mode
     # as long as it runs. The learner's may last under a second (a fast learner finds the batches
     # waiting, takes its 3 steps and leaves between two probes), so it is proven by what survives
     # it: it exits 0, and its cable, the only way out of its namespace, carried its traffic.
-    expected = {f"10.77.{CLIENTS.index(a) + 1}.2" for a in ("a1", "a2")}
+    expected = {hosts.client_address(a) for a in ("a1", "a2")}
     seen: set[str] = set()
 
     def actors_seen() -> bool:
@@ -158,7 +164,7 @@ def test_roles_in_separate_network_namespaces_train_together(tmp_path, tiny_mode
         wait_for(actors_seen, 240, "the actors' connections", [broker, *actors])
     except AssertionError as exc:
         raise AssertionError(f"{exc}; seen only {sorted(seen)}") from None
-    assert seen <= expected | {"10.77.1.2"}, seen
+    assert seen <= expected | {hosts.client_address("learner")}, seen
 
     assert learner.wait(timeout=240) == 0, (tmp_path / "learner.log").read_text()[-3000:]
     assert hosts.cable_bytes("learner") > 0
