@@ -131,12 +131,21 @@ class BrokerLink:
                 self.client.pipeline("PUBLISH_CHUNK", headers[group], tensors=frames[group])
             self.client.request("PUBLISH_COMMIT", {"version": version})
 
-        call_with_retry(
-            attempt,
-            what=f"publish of version {version}",
-            health=self.health,
-            backoff=Backoff(first_s=0.5, max_s=0.5),
-        )
+        try:
+            call_with_retry(
+                attempt,
+                what=f"publish of version {version}",
+                should_stop=self.should_stop,
+                health=self.health,
+                backoff=Backoff(first_s=0.5, max_s=0.5),
+            )
+        except TransportError:
+            if not self.should_stop():
+                raise
+            # Stopping with the broker unreachable: retrying would keep the learner from its
+            # final checkpoint for ever. The checkpoint holds these weights, and a restarted
+            # learner publishes them (connect) under a version newer than any the broker has.
+            log.warning("stopping: this version stays unpublished", version=version)
 
     def next_batch(self, version: int, publishes_after: bool) -> Message | None:
         """Ask until the broker has a batch (it answers WAIT, naming what it waits for)."""
@@ -150,6 +159,10 @@ class BrokerLink:
                     return reply
                 log.info("waiting for a batch", broker_says=reply.header["reason"])
             return None
+        except TransportError:
+            if not self.should_stop():
+                raise
+            return None  # stopping while the broker does not answer: on to the final checkpoint
         finally:
             M_IDLE.inc(time.monotonic() - t0)
 

@@ -616,6 +616,18 @@ def test_a_broker_that_lost_the_weights_gets_the_current_version_again(new_learn
     assert begins == [5] and broker.latest == 5 and learner.version == 5
 
 
+def test_a_publish_retries_until_the_broker_answers_unless_the_learner_is_stopping(new_learner):
+    learner = new_learner()
+    learner.link.client = broker = FakeBroker(learner, latest_version=-1, fail_first=2)
+    learner.publish()  # two timeouts, then the broker answers: the version gets there
+    assert broker.latest == 0
+    broker.sent.clear()
+    learner.version, broker.fail_first = 1, 1000  # the broker is gone for good
+    learner._stop = True  # SIGTERM: on to the final checkpoint after one failed try
+    learner.publish()
+    assert [kind for kind, _, _ in broker.sent] == ["PUBLISH_BEGIN"] and broker.latest == 0
+
+
 def sampled_segments(model: Path, params: SamplingParams) -> list[Segment]:
     """Segments as an actor makes them: the torch engine samples from ``model`` and reports μ;
     each segment carries the temperature and top-p its tokens were drawn with."""

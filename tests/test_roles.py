@@ -112,6 +112,31 @@ def test_roles_by_hand_with_a_late_joiner(tmp_path, tiny_model, procs):
         assert p.wait(timeout=30) == 0
 
 
+def test_a_learner_stopped_after_its_broker_died_checkpoints_and_exits(tmp_path, tiny_model, procs):
+    """kill -9 the broker while the learner waits for a batch, then SIGTERM the learner: it must
+    not wait for the broker for ever (its retries would keep it from the final checkpoint)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    common = ["--config", "configs/smoke.yaml", "--set", f"model.path={tiny_model}"]
+    common += ["--set", f"run.out_dir={tmp_path}", "--set", "learner.total_steps=0"]
+    common += ["--set", "learner.broker_timeout_s=2", "--set", "broker.batch_wait_s=1"]
+    broker = procs.start(
+        ["broker", *common, "--set", f"broker.bind={endpoint}"], tmp_path / "broker.log"
+    )
+    learner = procs.start(
+        ["learner", *common, "--set", f"learner.broker={endpoint}"], tmp_path / "learner.log"
+    )
+    log = tmp_path / "learner.log"
+    wait_for(lambda: "waiting for a batch" in log.read_text(), 120, "the learner", [learner])
+    broker.kill()
+    broker.wait()
+    time.sleep(3)  # past one GET_BATCH timeout: the learner is retrying now
+    learner.send_signal(signal.SIGTERM)
+    assert learner.wait(timeout=30) == 0, log.read_text()[-2000:]
+    saved = [json.loads(x) for x in log.read_text().splitlines() if '"checkpoint saved"' in x]
+    assert [(s["step"], s["version"]) for s in saved] == [(0, 0)]
+    assert (tmp_path / "checkpoints" / "policy" / "step0").is_dir()
+
+
 def test_torchrun_learner_trains_data_parallel_on_two_ranks(tmp_path, tiny_model, procs):
     """The multi-node learner command: torchrun starts 2 DeepSpeed ranks (gloo on CPU); rank 0
     talks to the broker, both train every step and exit together."""
