@@ -17,7 +17,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The demo's model first: the tiny model after a supervised warm-up on the chain (~80 s, once).
 demo: $(STAMP)
+	$(PY) -m deploy.cli model warmup chain
 	$(PY) -m deploy.cli up --config configs/demo.yaml --summary runs/demo/summary.json
 
 # SmolLM2-135M-Instruct from its PyPI package, converted once to runs/models/smollm2-135m-instruct.

@@ -257,11 +257,15 @@ def follow(
     health: Health,
     should_stop: Callable[[], bool],
     out: Path,
+    finishing: Callable[[], bool] = lambda: False,
 ) -> None:
     """An actor in eval mode (``asyncppo eval --follow``): every ``eval.every_versions``-th
     version the broker publishes (the newest one when it falls behind) is fetched, played on the
     held-out set and appended to ``out`` (JSON lines) and the ``asyncppo_eval_*`` gauges. It
-    takes no permits and sends nothing: the learner never sees these episodes."""
+    takes no permits and sends nothing: the learner never sees these episodes.
+
+    Once ``finishing()`` (training is over) it scores the newest version if it has not yet, due
+    or not, and returns: a run's final policy is always evaluated."""
     client = broker_client(cfg)
     instances = held_out_instances(cfg, cfg.eval.episodes)
     every, last = max(cfg.eval.every_versions, 1), None
@@ -278,12 +282,12 @@ def follow(
             except TransportError:
                 continue  # stopping
             newest = info.header["manifest"]["version"] if info.kind == "WEIGHTS_MANIFEST" else -1
-            fetched = (
-                fetch_newer(client, info, engine.version)
-                if newest >= 0 and (last is None or newest >= last + every)
-                else None
-            )
+            final = finishing()
+            due = newest >= 0 and (last is None or newest >= last + (1 if final else every))
+            fetched = fetch_newer(client, info, engine.version) if due else None
             if fetched is None:
+                if final:
+                    return  # the newest version is scored
                 health.beat("waiting for a version to evaluate")
                 time.sleep(0.5)
                 continue

@@ -32,7 +32,7 @@ from learner.batch import Batch  # noqa: E402
 from learner.critic_eval import explained, leave_one_out, turn_returns, turn_starts  # noqa: E402
 from learner.models import Critic, shift_to_tokens  # noqa: E402
 
-MODEL = str(ROOT / "runs/models/tiny-chain-warm")  # bench/warmup.py --env chain
+MODEL = str(ROOT / "runs/models/tiny-chain-warm")  # asyncppo model warmup chain
 PLAYS, LR, STEPS, SEGMENTS = 8, 1e-3, 300, 64
 
 

@@ -54,8 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "experiments"
 MODEL = "runs/models/tiny"  # the built-in random-init model: the same starting point for every run
 SMOLLM2 = "runs/models/smollm2-135m-instruct"  # `make smollm2` prepares it
-WARM_MAZE_MODEL = "runs/models/tiny-maze-warm"  # bench/warmup.py builds it
-WARM_CHAIN_MODEL = "runs/models/tiny-chain-warm"  # bench/warmup.py --env chain builds it
+WARM_MAZE_MODEL = "runs/models/tiny-maze-warm"  # `asyncppo model warmup maze` builds it
+WARM_CHAIN_MODEL = "runs/models/tiny-chain-warm"  # `asyncppo model warmup chain` builds it
 
 BASE = {
     "model.path": MODEL,
@@ -96,7 +96,7 @@ def maze(max_turns: int) -> dict[str, Any]:
 
 # The long-horizon comparison: 2-50 turn mazes (the spec's horizon), a hint with the next optimal
 # move on every turn, 2 tokens per action (a move letter and the end of turn), started from the
-# warmed tiny model of bench/warmup.py (a partial instruction follower). What RL must
+# warmed tiny model of deploy/warmup.py (a partial instruction follower). What RL must
 # learn is to follow the hint on every turn of a long episode rewarded only at its end.
 MAZE_LEARNING = {
     **maze(50),
@@ -110,7 +110,7 @@ MAZE_LEARNING = {
 
 # The long-horizon testbed (actors/envs/chain.py): N log-uniform in 2-50 right answers, reward
 # only after the N-th, compaction past 384 context tokens (one to about ten segments an episode),
-# from the chain warm start of bench/warmup.py (it copies the hint on ~85% of turns: held-out
+# from the chain warm start of deploy/warmup.py (it copies the hint on ~85% of turns: held-out
 # success ~0.3, most short instances and few long ones).
 # Every arm: 32 episodes a step in groups of 8 (GRPO's groups; PPO gets the same instance
 # stream), advantages centred over the batch's action tokens, the same steps, so the same
@@ -977,10 +977,11 @@ class Experiment:
 
 
 def warm_model(env: str, out: str) -> Callable[[], None]:
-    """bench/warmup.py for `env` in its own process (reused when `out` holds the same recipe)."""
+    """`asyncppo model warmup` for `env` in its own process (reused when `out` holds the same
+    recipe)."""
 
     def prepare() -> None:
-        cmd = [sys.executable, str(ROOT / "bench" / "warmup.py"), "--env", env, "--out", out]
+        cmd = [sys.executable, "-m", "deploy.cli", "model", "warmup", env, "--out", out]
         subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     return prepare

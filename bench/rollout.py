@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from warmup import warm_up  # bench/ is on the path when run as a script
 
 from actors.engines import Generation, SamplingParams, TorchEngine
 from actors.engines.torch_engine import sampling_logprobs
@@ -44,6 +43,7 @@ from actors.envs import make_env
 from actors.episode import ChatFormat, Episode
 from actors.rollout import Rollouts
 from common.model import load_exported_state_dict, state_dict_for_export
+from deploy.warmup import warm_up
 
 WORKLOADS = {
     "maze 2-50 turns": ("maze", {"max_turns": 50}),
@@ -372,7 +372,7 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="few episodes, one round (a smoke run)"
     )
-    parser.add_argument("--model", help="model directory (default: bench/warmup.py's)")
+    parser.add_argument("--model", help="model directory (default: deploy/warmup.py's)")
     parser.add_argument("--inflight", type=int, default=64, help="episodes in flight for (b), (c)")
     parser.add_argument("--swap-every", type=int, default=50, help="engine steps per version")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -393,7 +393,7 @@ def main() -> None:
             "lockstep_batch": LOCKSTEP_BATCH,
             "rounds": rounds,
             "episodes_per_round": n,
-            "model": args.model or "bench/warmup.py's warm-started tiny model",
+            "model": args.model or "deploy/warmup.py's warm-started tiny model",
             "torch": torch.__version__,
             "machine": platform.machine(),
             "command": "python bench/rollout.py" + (" --quick" if args.quick else ""),

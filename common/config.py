@@ -381,7 +381,7 @@ class EvalConfig:
     every_versions: int = param(
         0,
         "`up`: an evaluator process scores every this-many-th policy version on the held-out set "
-        "while training runs (0: none).",
+        "while training runs, and the final one (0: none).",
         minimum=0,
     )
     horizon_buckets: list = param(

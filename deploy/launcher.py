@@ -3,7 +3,8 @@
 The launcher only starts, watches and stops processes; it learns how training goes the way an
 operator would, from the broker's STATS and the learner's step log. The actor count follows
 ``<run dir>/actors.target`` (written by ``asyncppo scale``) and SIGUSR1/SIGUSR2 (+1/-1), live.
-Shutdown order: learner first (it checkpoints), then actors (they say BYE), then the broker.
+Shutdown order: learner first (it checkpoints), then actors (they say BYE), then the evaluator
+(after a learner that completed its steps, once it has scored the final version), then the broker.
 """
 
 from __future__ import annotations
@@ -105,16 +106,37 @@ class Launcher:
             return
         self.learner.send_signal(signal.SIGTERM)
         print("[up] stopping the learner: it finishes its step and checkpoints", flush=True)
-        port, stall = self._port("learner"), self.cfg.run.stall_timeout_s
+        if not self._wait_while_progressing(self.learner, "learner"):
+            print(
+                f"[up] the learner made no progress for {self.cfg.run.stall_timeout_s} s: "
+                "killing it",
+                flush=True,
+            )
+            self.learner.kill()
+        self.learner.wait()
+
+    def finish_evaluation(self, learner_completed: bool) -> None:
+        """Once the learner has completed its steps, the evaluator scores the final version
+        (SIGUSR1: due or not, then it exits), however long that takes while it makes progress;
+        then, or at once after an interrupted run, it is stopped."""
+        if learner_completed and not self.stopping and self.evaluator.poll() is None:
+            print("[up] scoring the final version on the held-out set", flush=True)
+            self.evaluator.send_signal(signal.SIGUSR1)
+            self._wait_while_progressing(self.evaluator, "eval", until=lambda: self.stopping)
+        stop(self.evaluator)
+
+    def _wait_while_progressing(
+        self, proc: subprocess.Popen, role: str, until: Any = lambda: False
+    ) -> bool:
+        """Wait for `proc` to exit as long as its /healthz says it makes progress (or, serving
+        none, ``run.stall_timeout_s``), or until `until()`; whether it exited."""
+        port, stall = self._port(role), self.cfg.run.stall_timeout_s
         deadline = time.monotonic() + stall
-        while self.learner.poll() is None and time.monotonic() < deadline:
+        while proc.poll() is None and time.monotonic() < deadline and not until():
             if port and healthy(self.cfg.run.metrics_host, port):
                 deadline = time.monotonic() + stall
             time.sleep(0.5)
-        if self.learner.poll() is None:
-            print(f"[up] the learner made no progress for {stall} s: killing it", flush=True)
-            self.learner.kill()
-        self.learner.wait()
+        return proc.poll() is not None
 
     def broker_stats(self) -> dict[str, Any]:
         """The broker's STATS ({} when it does not answer). The broker forgets an actor once it
@@ -184,14 +206,15 @@ class Launcher:
         return 0 if self.learner.poll() in (0, None) else 1
 
     def shutdown(self) -> dict[str, Any]:
+        learner_completed = self.learner.poll() == 0  # exited on its own: total_steps done
         self.stop_learner()
-        if self.evaluator is not None:
-            stop(self.evaluator)
         stats = self.broker_stats()
         for proc in self.actors.values():
             proc.send_signal(signal.SIGTERM)
         for proc in self.actors.values():
             stop(proc)
+        if self.evaluator is not None:  # it needs only the broker, and the cores the actors had
+            self.finish_evaluation(learner_completed)
         final = self.broker_stats() or stats
         self.stats_client.close()
         stop(self.broker)

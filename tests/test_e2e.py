@@ -1,4 +1,5 @@
-"""The whole loop in real processes: `asyncppo up` on configs/smoke.yaml, and Ctrl-C of a running `up`."""
+"""The whole loop in real processes: `asyncppo up` on configs/smoke.yaml, Ctrl-C of a running `up`,
+and (slow) what `make demo` runs and promises."""
 
 from __future__ import annotations
 
@@ -118,3 +119,25 @@ def test_a_learner_stopped_in_a_long_step_finishes_it_and_checkpoints(tmp_path, 
     assert waited > STOP_TIMEOUT_S, (
         f"the step ended {waited:.0f} s after the signal: too short a test"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_demo_learns_its_task_on_held_out_instances(tmp_path, procs):
+    """`make demo`'s two commands (on its own port, model directory and run directory): held-out
+    success from near 0 to >= 0.8 at the final version, which the evaluator always scores."""
+    warm = tmp_path / "warm"
+    built = procs.start(["model", "warmup", "chain", "--out", str(warm)], tmp_path / "warm.log")
+    assert built.wait(timeout=300) == 0, (tmp_path / "warm.log").read_text()[-3000:]
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    args = ["up", "--config", "configs/demo.yaml", "--summary", str(tmp_path / "summary.json")]
+    for key in ("broker.bind", "actor.broker", "learner.broker"):
+        args += ["--set", f"{key}={endpoint}"]
+    args += ["--set", f"model.path={warm}", "--set", f"run.out_dir={tmp_path / 'run'}"]
+    args += ["--set", "run.metrics_base_port=0"]
+    proc = procs.start(args, tmp_path / "up.log")
+    assert proc.wait(timeout=560) == 0, (tmp_path / "up.log").read_text()[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    first, last = summary["eval"]
+    assert summary["policy_version"] == last["version"] == 40
+    assert first["success"] < 0.3 and last["success"] >= 0.8, summary["eval"]

@@ -100,6 +100,25 @@ def test_eval_command_scores_a_model_directory_on_held_out_instances(tmp_path, t
     assert "held-out maze instances" in capfd.readouterr().out
 
 
+def test_a_run_that_completes_its_steps_scores_its_final_version(tmp_path, tiny_model, procs):
+    """4 steps, an evaluation due only every 100 versions: the first version is scored while
+    training runs, and the final one (4) only because the learner completed."""
+    proc_args = smoke_args(
+        tmp_path,
+        tiny_model,
+        free_port(),
+        *("--set", "eval.every_versions=100", "--set", "eval.episodes=4"),
+        *("--summary", str(tmp_path / "summary.json")),
+    )
+    proc = procs.start(proc_args, tmp_path / "up.log")
+    assert proc.wait(timeout=240) == 0, (tmp_path / "up.log").read_text()[-3000:]
+    evals = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    versions = [e["version"] for e in evals]
+    assert versions[-1] == 4 and len(versions) <= 2, versions
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["policy_version"] == 4 and summary["eval"][-1]["version"] == 4
+
+
 def test_an_evaluator_beside_training_scores_published_versions(tmp_path, tiny_model, procs):
     metrics = free_port()
     proc_args = smoke_args(

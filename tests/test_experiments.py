@@ -17,7 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import deploy.warmup
 from common.model import load_tokenizer
+from deploy.cli import main as cli_main
+from deploy.warmup import RECIPES, demonstrations, warm_up
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -255,12 +258,11 @@ def test_async_quick(tmp_path):
 
 
 def test_maze_warmup_demonstrations_type_the_hint_and_mask_only_actions(tiny_model):
-    warmup = _load_bench("warmup")
     tokenizer = load_tokenizer(tiny_model)
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for hint_rate, expected in ((1.0, 1.0), (0.0, 0.25)):
         follows = []
-        for ids, mask in warmup.demonstrations(
+        for ids, mask in demonstrations(
             tokenizer, episodes=40, turns=6, hint_rate=hint_rate, seed=3
         ):
             assert len(ids) == len(mask)
@@ -274,16 +276,29 @@ def test_maze_warmup_demonstrations_type_the_hint_and_mask_only_actions(tiny_mod
         assert np.mean(follows) == pytest.approx(expected, abs=0.1)
 
 
+def test_model_warmup_command_builds_the_recipe_and_names_an_unknown_env(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(deploy.warmup, "BASE_MODEL", str(tiny_model))
+    monkeypatch.setitem(deploy.warmup.RECIPES, "chain", {"steps": 2, "hint_rate": 0.8})
+    out = tmp_path / "warm"
+    assert cli_main(["model", "warmup", "chain", "--out", str(out)]) == 0
+    assert json.loads((out / "warmup.json").read_text())["env"] == "chain"
+    assert load_tokenizer(out).convert_tokens_to_ids("<|im_end|>") is not None
+    assert cli_main(["model", "warmup", "digits", "--out", str(tmp_path / "x")]) == 2
+    assert "no warm-up recipe for 'digits'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_warmup_reuses_a_model_only_when_its_recipe_is_unchanged(tiny_model, tmp_path, monkeypatch):
-    warmup = _load_bench("warmup")
-    monkeypatch.setattr(warmup, "BASE_MODEL", str(tiny_model))
+    monkeypatch.setattr(deploy.warmup, "BASE_MODEL", str(tiny_model))
     out = tmp_path / "warm"
     recipe = {"env": "chain", "episodes": 20, "turns": 2, "batch": 4}
-    warmup.warm_up(out, steps=2, **recipe)
+    warm_up(out, steps=2, **recipe)
     written = json.loads((out / "warmup.json").read_text())
-    assert written["steps"] == 2 and written["hint_rate"] == warmup.RECIPES["chain"]["hint_rate"]
+    assert written["steps"] == 2 and written["hint_rate"] == RECIPES["chain"]["hint_rate"]
     weights = (out / "model.safetensors").stat().st_mtime_ns
-    warmup.warm_up(out, steps=2, **recipe)  # same recipe: the directory is reused as it is
+    warm_up(out, steps=2, **recipe)  # same recipe: the directory is reused as it is
     assert (out / "model.safetensors").stat().st_mtime_ns == weights
-    warmup.warm_up(out, steps=3, **recipe)  # a changed recipe rebuilds it
+    warm_up(out, steps=3, **recipe)  # a changed recipe rebuilds it
     assert json.loads((out / "warmup.json").read_text())["steps"] == 3

@@ -1,4 +1,5 @@
-"""The long-horizon experiments' starting models: the tiny model after a short supervised warm-up.
+"""The demo's and the long-horizon experiments' starting models: the tiny model after a short
+supervised warm-up.
 
 RL post-training starts from a model that already answers in the task's format and follows
 instructions somewhat. The built-in random-init tiny model does neither: about 8% of its
@@ -22,7 +23,9 @@ Where the warmed model starts RL differs by environment (`RECIPES`):
   learned from one and not from the other. (A demonstrator that follows the hint only 30% of the
   time does not work: the 100k parameter model then learns the letter frequencies, not the copy.)
 
-    python bench/warmup.py [--env maze|chain] [--out runs/models/tiny-<env>-warm]
+    asyncppo model warmup maze|chain [--out DIR]   (default: runs/models/tiny-<env>-warm)
+
+`make demo` starts from the chain's warm model; the experiments in bench/ start from both.
 
 Deterministic for a given seed and built once: an existing directory is reused when its
 `warmup.json` names the same recipe, and rebuilt otherwise.
@@ -30,7 +33,6 @@ Deterministic for a given seed and built once: an existing directory is reused w
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import re
@@ -142,11 +144,3 @@ def warm_up(
     written.write_text(json.dumps(recipe, indent=1) + "\n")
     print(f"{env} warm-up: {steps} steps, final action-token loss {loss.item():.3f} -> {out}")
     return out
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--env", choices=sorted(ENVS), default="maze")
-    ap.add_argument("--out", help="default: runs/models/tiny-<env>-warm")
-    args = ap.parse_args()
-    warm_up(args.out or f"runs/models/tiny-{args.env}-warm", env=args.env)
