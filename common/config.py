@@ -307,7 +307,17 @@ class LearnerConfig:
         "Critic: separate (own model + scalar head) or shared (value head on the policy trunk).",
     )
     critic_warmup_steps: int = param(
-        0, "Steps that train only the critic before policy updates start."
+        0,
+        "Steps that train only the critic before policy updates start (with critic_warmup_ev: "
+        "at most this many).",
+    )
+    critic_warmup_ev: float = param(
+        0.0,
+        "Gate the critic's warm-up on its fit: policy updates start once the critic's explained "
+        "variance on fresh batches (each scored before the critic trains on it), averaged over "
+        "the last 5 steps, reaches this, or after critic_warmup_steps (0: a fixed count).",
+        minimum=0,
+        maximum=1,
     )
     critic_updates: int = param(1, "Critic updates per policy update.", minimum=1)
     value_coef: float = param(0.5, "Weight of the value loss with a shared critic.")
@@ -484,11 +494,18 @@ def _check_actor(a: ActorConfig) -> None:
 
 
 def _check_learner(lc: LearnerConfig) -> None:
-    """IcePop's band must contain 1 (a token with no mismatch is kept); LoRA needs modules."""
+    """IcePop's band must contain 1 (a token with no mismatch is kept); an EV-gated critic
+    warm-up needs a critic and a longest wait; LoRA needs modules."""
     if not 0 < lc.icepop_low <= 1 <= lc.icepop_high:
         raise ConfigError(
             "config keys 'learner.icepop_low'/'learner.icepop_high' need 0 < low <= 1 <= high, "
             f"got [{lc.icepop_low}, {lc.icepop_high}]"
+        )
+    if lc.critic_warmup_ev > 0 and (lc.critic_warmup_steps < 1 or lc.algorithm != "ppo"):
+        raise ConfigError(
+            "config key 'learner.critic_warmup_ev' needs learner.algorithm=ppo (a critic) and "
+            "learner.critic_warmup_steps >= 1 (the longest the policy waits), got "
+            f"algorithm={lc.algorithm!r}, critic_warmup_steps={lc.critic_warmup_steps}"
         )
     targets = lc.lora.target_modules
     if not targets or not all(isinstance(t, str) and t for t in targets):

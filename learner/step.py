@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import structlog
 import torch
 
 from common.config import LearnerConfig
@@ -66,6 +67,12 @@ class Models:
 Reduce = Callable[[list[float], str], list[float]]
 LOSS_TERMS = ("policy_loss", "value_loss", "clip_fraction", "approx_kl")
 VALUE_SUMS = ("n", "sum_r", "sum_r2", "sum_d", "sum_d2")  # the names of value_sums' entries
+# Batches whose mean explained variance gates the critic's warm-up (learner.critic_warmup_ev):
+# one batch of 32 episodes is too noisy a measure (measured on the chain: -0.15 to 0.6 between
+# consecutive steps of one run).
+EV_WINDOW = 5
+
+log = structlog.get_logger()
 
 
 def clip_epsilon(step: int, lc: LearnerConfig) -> float:
@@ -136,6 +143,10 @@ class TrainStep:
     ):
         self.lc, self.models, self.device, self.world = lc, models, device, world
         self.reduce, self.beat = reduce, beat
+        # The critic's warm-up (``_policy_starts``): whether policy updates have started (a
+        # checkpoint keeps it), and the critic's explained variance on the last fresh batches.
+        self.policy_started = lc.critic_warmup_steps == 0
+        self.recent_ev: list[float] = []
 
     def __call__(
         self, batch: Batch, episodes: list[list[Segment]], index: int
@@ -163,9 +174,7 @@ class TrainStep:
         # the entropy bonus gives the step a gradient of its own.
         signal = float((targets.advantages * (weights != 0)).abs().max()) if len(batch) else 0.0
         (signal,) = self.reduce([signal], "max")
-        train_policy = index >= self.lc.critic_warmup_steps and (
-            signal > 0 or self.lc.entropy_coef > 0
-        )
+        train_policy = self._policy_starts(step, index) and (signal > 0 or self.lc.entropy_coef > 0)
         losses = self._optimise(step, train_policy=train_policy)
         moved = train_policy or self.models.shared
         (kl,) = self.reduce([self._update_kl(step) if moved else 0.0], "sum")
@@ -176,6 +185,26 @@ class TrainStep:
             "update_kl": kl / step.denominator,
             "clip": step.clip,
         }, n_tokens
+
+    def _policy_starts(self, step: Step, index: int) -> bool:
+        """Whether the critic's warm-up is over: after ``critic_warmup_steps`` steps, or, with
+        ``critic_warmup_ev``, as soon as the critic's explained variance on the last
+        ``EV_WINDOW`` batches reaches it. Each batch is new to the critic when it is scored here
+        (before its update), so this is its fit on unseen episodes, not on what it trained on."""
+        if not self.policy_started and self.lc.critic_warmup_ev > 0:
+            mask = step.batch.action_mask
+            sums = value_sums(step.targets.returns[mask], step.scores.values[mask])
+            self.recent_ev = [*self.recent_ev, explained_variance(self.reduce(sums, "sum"))]
+            self.recent_ev = self.recent_ev[-EV_WINDOW:]
+            self.policy_started = (
+                len(self.recent_ev) == EV_WINDOW
+                and sum(self.recent_ev) / EV_WINDOW >= self.lc.critic_warmup_ev
+            )
+            if self.policy_started:
+                log.info("critic warmed up: policy updates start", step=index, ev=self.recent_ev)
+        if not self.policy_started and index >= self.lc.critic_warmup_steps:
+            self.policy_started = True
+        return self.policy_started
 
     def _normalised(self, batch: Batch, targets: Targets) -> tuple[Targets, dict[str, float]]:
         """Advantages normalised by ``learner.advantage_norm`` with the global batch's action-token

@@ -388,7 +388,11 @@ class Learner:
     def save_checkpoint(self) -> None:
         """DeepSpeed checkpoint (weights + optimizer) with the version counter and step."""
         tag = f"step{self.step}"
-        client_state = {"step": self.step, "version": self.version}
+        client_state = {
+            "step": self.step,
+            "version": self.version,
+            "policy_started": self.steps.policy_started,  # an EV-gated warm-up that has ended
+        }
         for name, engine in (("policy", self.policy), ("critic", self.critic)):
             if engine is not None:
                 self.health.beat(f"saving the {name} checkpoint")
@@ -414,6 +418,7 @@ class Learner:
         if self.critic is not None:
             self.critic.load_checkpoint(str(self.ckpt_dir / "critic"))
         self.step, self.version = client["step"], client["version"]
+        self.steps.policy_started |= client.get("policy_started", False)
         log.info(
             "resumed from checkpoint",
             dir=str(self.ckpt_dir),

@@ -48,6 +48,8 @@ def test_defaults_yaml_and_overrides_merge(tmp_path):
         ("broker.max_staleness=-1", "'broker.max_staleness' must be >= 0"),
         ("learner.icepop_low=2", "need 0 < low <= 1 <= high"),
         ("learner.zero_stage=4", "must be 0-3"),
+        ("learner.critic_warmup_ev=0.3", "'learner.critic_warmup_ev' needs learner.algorithm=ppo"),
+        ("learner.critic_warmup_ev=1.5", "'learner.critic_warmup_ev'"),
         ("learner=3", "config section 'learner.' "),
         ("novalue", "expected KEY=VALUE"),
     ],

@@ -40,7 +40,7 @@ from learner.algorithms import Targets
 from learner.batch import Batch
 from learner.link import PUBLISH_GROUP
 from learner.models import Policy, token_logprobs
-from learner.step import TrainStep, clip_epsilon, explained_variance, value_sums
+from learner.step import EV_WINDOW, TrainStep, clip_epsilon, explained_variance, value_sums
 from learner.trainer import Learner
 
 COMPARED = (
@@ -498,6 +498,38 @@ def test_critic_warmup_steps_leave_the_policy_untouched(new_learner, tiny_model)
     learner.train_step(on_policy(fixed_batch(), tiny_model))
     after = snapshot(learner)
     assert not changed(before, after, "policy/") and changed(before, after, "critic/")
+
+
+def test_an_ev_gated_warmup_starts_the_policy_once_the_critic_fits_fresh_batches(
+    new_learner, tiny_model, tmp_path
+):
+    """The gate reads the explained variance each batch gets before the critic trains on it (the
+    step log's): policy updates start at the first step whose last EV_WINDOW values average at
+    least critic_warmup_ev, stay on, and stay on after a resume."""
+    overrides = (
+        "learner.critic_warmup_steps=60",
+        "learner.critic_warmup_ev=0.8",
+        "learner.critic_updates=4",
+        "learner.critic_lr=1e-2",
+    )
+    learner = new_learner(*overrides, run_dir=tmp_path / "gated")
+    batch = on_policy(fixed_batch(), tiny_model)
+    evs, updated = [], []
+    for index in range(60):
+        learner.step = index
+        stats = learner.train_step(batch)
+        evs.append(stats["explained_variance"])
+        updated.append(stats["policy_updated"])
+        if 1.0 in updated and len(updated) - updated.index(1.0) == 3:
+            break  # started, and stayed on for two more steps
+    assert 1.0 in updated, f"the critic never fitted: {evs}"
+    start = updated.index(1.0)
+    means = [np.mean(evs[i + 1 - EV_WINDOW : i + 1]) for i in range(EV_WINDOW - 1, start + 1)]
+    assert means[-1] >= 0.8 and means[:-1] and all(m < 0.8 for m in means[:-1]), (evs, start)
+    assert updated[start:] == [1.0] * len(updated[start:])
+    learner.save_checkpoint()
+    resumed = new_learner(*overrides, run_dir=tmp_path / "gated", resume="require")
+    assert resumed.steps.policy_started and resumed.step < 60
 
 
 def test_clip_stays_at_clip_start_without_a_horizon():
