@@ -516,6 +516,7 @@ def cut_bootstrap_runs(quick: bool, seeds: int) -> list[Run]:
     ]
 
 
+FAST_CRITIC_G1 = {"actor.group_size": 1, "learner.critic_lr": 3e-3, "learner.critic_updates": 8}
 CRITICS = {  # label -> (run name prefix, learner overrides); "separate" is long_horizon's PPO
     "separate": ("separate", {}),
     "shared": ("shared", {"learner.critic": "shared"}),
@@ -528,6 +529,18 @@ CRITICS = {  # label -> (run name prefix, learner overrides); "separate" is long
             "learner.critic_updates": 4,
             "learner.critic_warmup_steps": 10,
         },
+    ),
+    # 32 instances a step instead of 4 x 8 plays (a 30-step probe: the critic generalises from
+    # more instances), 8 updates a step, and a warm-up of 20 critic-only steps ...
+    "separate, groups of 1, lr 3e-3 x8, 20 critic-only steps": (
+        "separate-g1",
+        {**FAST_CRITIC_G1, "learner.critic_warmup_steps": 20},
+    ),
+    # ... or one that ends once the critic's explained variance on fresh batches averages 0.25
+    # over 5 steps (at most 30 steps)
+    "separate, groups of 1, lr 3e-3 x8, critic-only until EV 0.25": (
+        "separate-g1-ev",
+        {**FAST_CRITIC_G1, "learner.critic_warmup_steps": 30, "learner.critic_warmup_ev": 0.25},
     ),
 }
 

@@ -122,21 +122,26 @@ def test_a_learner_stopped_in_a_long_step_finishes_it_and_checkpoints(tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(2400)
 def test_the_demo_learns_its_task_on_held_out_instances(tmp_path, procs):
     """`make demo`'s two commands (on its own port, model directory and run directory): held-out
-    success from near 0 to >= 0.8 at the final version, which the evaluator always scores."""
+    success from near 0 to >= 0.8 at the final version, which the evaluator always scores.
+    Alone on 2 cores: ~80 s and ~200 s; the limits leave room for a busy machine."""
     warm = tmp_path / "warm"
-    built = procs.start(["model", "warmup", "chain", "--out", str(warm)], tmp_path / "warm.log")
-    assert built.wait(timeout=300) == 0, (tmp_path / "warm.log").read_text()[-3000:]
+    built = procs.start(
+        ["model", "warmup", "chain", "--out", str(warm)],
+        tmp_path / "warm.log",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert built.wait(timeout=900) == 0, (tmp_path / "warm.log").read_text()[-3000:]
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     args = ["up", "--config", "configs/demo.yaml", "--summary", str(tmp_path / "summary.json")]
     for key in ("broker.bind", "actor.broker", "learner.broker"):
         args += ["--set", f"{key}={endpoint}"]
     args += ["--set", f"model.path={warm}", "--set", f"run.out_dir={tmp_path / 'run'}"]
-    args += ["--set", "run.metrics_base_port=0"]
+    args += ["--set", "run.metrics_base_port=0", "--set", "run.max_wall_s=1200"]
     proc = procs.start(args, tmp_path / "up.log")
-    assert proc.wait(timeout=560) == 0, (tmp_path / "up.log").read_text()[-3000:]
+    assert proc.wait(timeout=1300) == 0, (tmp_path / "up.log").read_text()[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     first, last = summary["eval"]
     assert summary["policy_version"] == last["version"] == 40
