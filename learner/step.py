@@ -12,6 +12,7 @@ micro-batch or two.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -146,7 +147,7 @@ class TrainStep:
         # The critic's warm-up (``_policy_starts``): whether policy updates have started (a
         # checkpoint keeps it), and the critic's explained variance on the last fresh batches.
         self.policy_started = lc.critic_warmup_steps == 0
-        self.recent_ev: list[float] = []
+        self.recent_ev: deque[float] = deque(maxlen=EV_WINDOW)
 
     def __call__(
         self, batch: Batch, episodes: list[list[Segment]], index: int
@@ -194,14 +195,15 @@ class TrainStep:
         if not self.policy_started and self.lc.critic_warmup_ev > 0:
             mask = step.batch.action_mask
             sums = value_sums(step.targets.returns[mask], step.scores.values[mask])
-            self.recent_ev = [*self.recent_ev, explained_variance(self.reduce(sums, "sum"))]
-            self.recent_ev = self.recent_ev[-EV_WINDOW:]
+            self.recent_ev.append(explained_variance(self.reduce(sums, "sum")))
             self.policy_started = (
                 len(self.recent_ev) == EV_WINDOW
                 and sum(self.recent_ev) / EV_WINDOW >= self.lc.critic_warmup_ev
             )
             if self.policy_started:
-                log.info("critic warmed up: policy updates start", step=index, ev=self.recent_ev)
+                log.info(
+                    "critic warmed up: policy updates start", step=index, ev=list(self.recent_ev)
+                )
         if not self.policy_started and index >= self.lc.critic_warmup_steps:
             self.policy_started = True
         return self.policy_started

@@ -71,13 +71,16 @@ def procs():
     p.close()
 
 
-def smoke_args(tmp_path: Path, tiny_model: Path, port: int, *extra: str) -> list[str]:
-    """`asyncppo up` on configs/smoke.yaml with its own endpoint, model and run dir (tmp_path/run)."""
+def smoke_args(
+    tmp_path: Path, tiny_model: Path, port: int, *extra: str, config: str = "configs/smoke.yaml"
+) -> list[str]:
+    """`asyncppo up` on `config` (the smoke run unless said) with its own endpoint, model and run
+    dir (tmp_path/run)."""
     endpoint = f"tcp://127.0.0.1:{port}"
     return [
         "up",
         "--config",
-        "configs/smoke.yaml",
+        config,
         "--set",
         f"broker.bind={endpoint}",
         "--set",

@@ -134,12 +134,14 @@ def test_the_demo_learns_its_task_on_held_out_instances(tmp_path, procs):
         env={"OMP_NUM_THREADS": "1"},
     )
     assert built.wait(timeout=900) == 0, (tmp_path / "warm.log").read_text()[-3000:]
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    args = ["up", "--config", "configs/demo.yaml", "--summary", str(tmp_path / "summary.json")]
-    for key in ("broker.bind", "actor.broker", "learner.broker"):
-        args += ["--set", f"{key}={endpoint}"]
-    args += ["--set", f"model.path={warm}", "--set", f"run.out_dir={tmp_path / 'run'}"]
-    args += ["--set", "run.metrics_base_port=0", "--set", "run.max_wall_s=1200"]
+    args = smoke_args(
+        tmp_path,
+        warm,
+        free_port(),
+        *("--set", "run.metrics_base_port=0", "--set", "run.max_wall_s=1200"),
+        *("--summary", str(tmp_path / "summary.json")),
+        config="configs/demo.yaml",
+    )
     proc = procs.start(args, tmp_path / "up.log")
     assert proc.wait(timeout=1300) == 0, (tmp_path / "up.log").read_text()[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
