@@ -56,6 +56,8 @@ MODEL = "runs/models/tiny"  # the built-in random-init model: the same starting 
 SMOLLM2 = "runs/models/smollm2-135m-instruct"  # `make smollm2` prepares it
 WARM_MAZE_MODEL = "runs/models/tiny-maze-warm"  # `asyncppo model warmup maze` builds it
 WARM_CHAIN_MODEL = "runs/models/tiny-chain-warm"  # `asyncppo model warmup chain` builds it
+# `asyncppo critic` on the warm chain model's early-termination episodes (fitted_critic)
+WARM_CHAIN_CRITIC = "runs/models/tiny-chain-warm-critic"
 
 BASE = {
     "model.path": MODEL,
@@ -537,10 +539,22 @@ CRITICS = {  # label -> (run name prefix, learner overrides); "separate" is long
         {**FAST_CRITIC_G1, "learner.critic_warmup_steps": 20},
     ),
     # ... or one that ends once the critic's explained variance on fresh batches averages 0.25
-    # over 5 steps (at most 30 steps)
+    # over 5 steps (at most 30 steps) ...
     "separate, groups of 1, lr 3e-3 x8, critic-only until EV 0.25": (
         "separate-g1-ev",
         {**FAST_CRITIC_G1, "learner.critic_warmup_steps": 30, "learner.critic_warmup_ev": 0.25},
+    ),
+    # ... or none: the critic starts fitted to the warm policy's own episodes (`asyncppo critic`,
+    # 400 instances x 8 plays: 3,200 episodes, 29k generated tokens, before step 0; a run trains on
+    # 3,840 episodes), and a lower lr keeps that fit (at 3e-3 x8 one seed fell to 0.51 / 0.25 / 0.31
+    # of the value function at steps 10 / 20 / 30)
+    "separate, groups of 1, lr 3e-4 x8, pre-trained on the warm policy": (
+        "separate-g1-init",
+        {
+            **FAST_CRITIC_G1,
+            "learner.critic_lr": 3e-4,
+            "learner.critic_init": WARM_CHAIN_CRITIC,
+        },
     ),
 }
 
@@ -566,6 +580,11 @@ def critic_runs(quick: bool, seeds: int) -> list[Run]:
                     "actor.env_kwargs": CHAIN_VARIANTS["early"],
                     "learner.algorithm": "ppo",
                     **extra,
+                    **(
+                        {"learner.critic_init": WARM_CHAIN_CRITIC + "-quick"}
+                        if quick and "learner.critic_init" in extra
+                        else {}
+                    ),
                 },
             ),
             critic_steps=(5, 10, 15) if quick else CRITIC_STEPS,
@@ -986,21 +1005,37 @@ class Experiment:
     default_seeds: int
     claim: str
     model: str = MODEL
-    prepare: Callable[[], None] | None = None  # builds or checks a starting model before the runs
+    # builds or checks a starting model before the runs (given --quick)
+    prepare: Callable[[bool], None] | None = None
 
 
-def warm_model(env: str, out: str) -> Callable[[], None]:
+def warm_model(env: str, out: str) -> Callable[[bool], None]:
     """`asyncppo model warmup` for `env` in its own process (reused when `out` holds the same
     recipe)."""
 
-    def prepare() -> None:
+    def prepare(quick: bool) -> None:
         cmd = [sys.executable, "-m", "deploy.cli", "model", "warmup", env, "--out", out]
         subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     return prepare
 
 
-def require_smollm2() -> None:
+def fitted_critic(quick: bool) -> None:
+    """The chain's warm model, then `asyncppo critic` on its early-termination episodes with the
+    critic arms' settings (reused when the directory holds the same recipe); --quick fits a
+    smaller one in its own directory (the quick arm's critic_init is rewritten to match)."""
+    warm_model("chain", WARM_CHAIN_MODEL)(quick)
+    overrides = {**CHAIN, "actor.env_kwargs": CHAIN_VARIANTS["early"], "eval.episodes": 96}
+    size = ["--instances", "400", "--plays", "8", "--steps", "300"]
+    if quick:
+        overrides["eval.episodes"] = 48
+        size = ["--instances", "40", "--plays", "4", "--steps", "50"]
+    out = WARM_CHAIN_CRITIC + ("-quick" if quick else "")
+    cmd = [sys.executable, "-m", "deploy.cli", "critic", *override_args(overrides), *size]
+    subprocess.run([*cmd, "--out", out], cwd=ROOT, check=True)
+
+
+def require_smollm2(quick: bool) -> None:
     if not (ROOT / SMOLLM2 / "config.json").exists():
         raise SystemExit(f"{SMOLLM2} is missing: run `make smollm2` first")
 
@@ -1036,7 +1071,7 @@ EXPERIMENTS = {
         2,
         "a learned critic explains the return of long-horizon episodes",
         model=WARM_CHAIN_MODEL,
-        prepare=warm_model("chain", WARM_CHAIN_MODEL),
+        prepare=fitted_critic,
     ),
     "ppo_vs_grpo": Experiment(
         ppo_vs_grpo_runs,
@@ -1126,7 +1161,7 @@ def run_experiment(
     if n_seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {n_seeds}")
     if exp.prepare is not None:
-        exp.prepare()
+        exp.prepare(quick)
     runs = exp.make_runs(quick, n_seeds)
     if max_wall is not None:
         runs = [dataclasses.replace(r, wall_s=min(r.wall_s, max_wall)) for r in runs]

@@ -319,6 +319,11 @@ class LearnerConfig:
         minimum=0,
         maximum=1,
     )
+    critic_init: str | None = param(
+        None,
+        "A critic fitted to the starting policy's episodes (`asyncppo critic --out DIR`) that the "
+        "separate critic starts from instead of a zero head (a resumed checkpoint's critic wins).",
+    )
     critic_updates: int = param(1, "Critic updates per policy update.", minimum=1)
     value_coef: float = param(0.5, "Weight of the value loss with a shared critic.")
     kl_coef: float = param(0.0, "KL penalty to the frozen initial policy (0 = off, the default).")
@@ -495,7 +500,8 @@ def _check_actor(a: ActorConfig) -> None:
 
 def _check_learner(lc: LearnerConfig) -> None:
     """IcePop's band must contain 1 (a token with no mismatch is kept); an EV-gated critic
-    warm-up needs a critic and a longest wait; LoRA needs modules."""
+    warm-up needs a critic and a longest wait; a critic to start from needs a separate critic;
+    LoRA needs modules."""
     if not 0 < lc.icepop_low <= 1 <= lc.icepop_high:
         raise ConfigError(
             "config keys 'learner.icepop_low'/'learner.icepop_high' need 0 < low <= 1 <= high, "
@@ -506,6 +512,12 @@ def _check_learner(lc: LearnerConfig) -> None:
             "config key 'learner.critic_warmup_ev' needs learner.algorithm=ppo (a critic) and "
             "learner.critic_warmup_steps >= 1 (the longest the policy waits), got "
             f"algorithm={lc.algorithm!r}, critic_warmup_steps={lc.critic_warmup_steps}"
+        )
+    if lc.critic_init is not None and (lc.algorithm != "ppo" or lc.critic != "separate"):
+        raise ConfigError(
+            "config key 'learner.critic_init' needs learner.algorithm=ppo and "
+            f"learner.critic=separate (a critic of its own), got algorithm={lc.algorithm!r}, "
+            f"critic={lc.critic!r}"
         )
     targets = lc.lora.target_modules
     if not targets or not all(isinstance(t, str) and t for t in targets):

@@ -12,6 +12,7 @@ that needs them, so ``asyncppo --help`` answers at once.
     asyncppo keys generate --out DIR --name NAME       (CurveZMQ key pair)
     asyncppo model prepare NAME [--out DIR]            (convert a packaged model to a HF directory)
     asyncppo model warmup ENV [--out DIR]              (the tiny model after a supervised warm-up)
+    asyncppo critic  --config C.yaml --out DIR         (pre-train a critic on model.path's episodes)
     asyncppo config  --config C.yaml [--reference]     (print the merged config / the reference table)
 """
 
@@ -117,6 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="Hugging Face directory to write (default: runs/models/NAME, "
         "for warmup runs/models/tiny-NAME-warm)",
     )
+    _common(
+        cr := sub.add_parser(
+            "critic",
+            help="fit a separate critic to model.path's own episodes (for learner.critic_init)",
+        )
+    )
+    cr.add_argument("--out", required=True, help="directory to write the critic to")
+    cr.add_argument("--instances", type=int, default=400, help="training instances to play")
+    cr.add_argument("--plays", type=int, default=8, help="plays of each instance")
+    cr.add_argument("--steps", type=int, default=300, help="regression steps (64 segments each)")
     _common(cf := sub.add_parser("config", help="print the merged configuration"))
     cf.add_argument(
         "--reference", action="store_true", help="print the reference of every key (markdown)"
@@ -181,6 +192,27 @@ def warmup(env: str, out: str) -> int:
         )
         return 2
     print(f"the tiny model warmed up on {env} is in {warm_up(out, env=env)}")
+    return 0
+
+
+def fit_critic(cfg: Any, args: argparse.Namespace) -> int:
+    """`asyncppo critic`: fit, score and save; the held-out figures printed."""
+    from deploy.critic_fit import fit_critic as fit
+
+    if min(args.instances, args.plays, args.steps) < 1:
+        print("asyncppo critic: --instances, --plays and --steps must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        report = fit(cfg, args.out, instances=args.instances, plays=args.plays, steps=args.steps)
+    except (OSError, ValueError) as exc:  # --out taken, eval buckets the env cannot fill
+        print(f"asyncppo critic: {exc}", file=sys.stderr)
+        return 2
+    fraction = report["critic_fraction_of_value_function"]
+    print(
+        f"critic in {args.out}: held-out explained variance {report['held_out_critic_ev']:.3f}, "
+        f"the value function's {report['held_out_value_function_ev']:.3f}"
+        + (f" ({fraction:.2f} of it)" if fraction is not None else "")
+    )
     return 0
 
 
@@ -317,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             end="",
         )
         return 0
-    if args.command in ("up", "actor", "eval"):
+    if args.command in ("up", "actor", "eval", "critic"):
         from actors.envs import make_env
 
         try:  # before any process starts: a bad actor.env is a config error, named
@@ -356,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "eval":
         return run_eval(cfg, args)
+    if args.command == "critic":
+        return fit_critic(cfg, args)
     from learner.trainer import Learner
 
     rank = int(os.environ.get("RANK", "0"))

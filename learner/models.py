@@ -7,7 +7,11 @@ token t is chosen is value_out[t-1]. ``shift_to_tokens`` applies that shift once
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 
@@ -75,17 +79,57 @@ class ValueHead(nn.Module):
 
 
 class Critic(nn.Module):
-    """``critic: separate``: its own transformer trunk (initialised from the policy checkpoint) + head."""
+    """``critic: separate``: its own transformer trunk + head, initialised from the policy
+    checkpoint (zero head) or, with ``init``, from a fitted critic (``save_critic``: trunk and
+    head, e.g. ``asyncppo critic``)."""
 
-    def __init__(self, path: str, dtype: torch.dtype, lora: LoraConfig = FULL):
+    def __init__(
+        self, path: str, dtype: torch.dtype, lora: LoraConfig = FULL, init: str | None = None
+    ):
         super().__init__()
-        trunk = AutoModel.from_pretrained(path, local_files_only=True, dtype=dtype)
+        if init is not None:
+            _check_critic_init(init, path)
+        trunk = AutoModel.from_pretrained(init or path, local_files_only=True, dtype=dtype)
         self.head = ValueHead(trunk.config.hidden_size).to(dtype)  # trains fully under LoRA too
+        if init is not None:
+            self.head.load_state_dict(load_file(Path(init) / VALUE_HEAD))
         self.trunk = with_adapters(trunk, lora)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return self.head(hidden)
+
+
+VALUE_HEAD = "value_head.safetensors"
+
+
+def save_critic(critic: Critic, out: str | Path) -> None:
+    """A critic as ``Critic(..., init=out)`` loads it: the trunk a Hugging Face directory, the
+    head beside it."""
+    out = Path(out)
+    critic.trunk.save_pretrained(out)
+    save_file({k: v.contiguous() for k, v in critic.head.state_dict().items()}, out / VALUE_HEAD)
+
+
+def _check_critic_init(init: str, policy_path: str) -> None:
+    """``learner.critic_init`` must be a saved critic of the policy's architecture: the critic
+    reads the policy's tokens, so a mismatch is an error here, not wrong values later."""
+    where = f"learner.critic_init {init!r}"
+    lacking = [f for f in ("config.json", VALUE_HEAD) if not (Path(init) / f).is_file()]
+    if lacking:
+        raise ConfigError(
+            f"{where}: missing {', '.join(lacking)} (write one with `asyncppo critic`)"
+        )
+    try:
+        ours = json.loads((Path(init) / "config.json").read_text())
+        theirs = json.loads((Path(policy_path) / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{where}: unreadable config.json: {exc}") from exc
+    for key in ("model_type", "vocab_size", "hidden_size"):
+        if ours.get(key) != theirs.get(key):
+            raise ConfigError(
+                f"{where}: {key} {ours.get(key)!r} does not match model.path's {theirs.get(key)!r}"
+            )
 
 
 class PolicyWithValue(nn.Module):

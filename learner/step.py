@@ -461,7 +461,7 @@ def build_models(
     return Models(
         policy=engine(policy, lc.lr),
         critic=(
-            engine(Critic(path, dtype, lc.lora), lc.critic_lr)
+            engine(Critic(path, dtype, lc.lora, lc.critic_init), lc.critic_lr)
             if lc.algorithm == "ppo" and not shared
             else None
         ),

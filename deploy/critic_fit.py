@@ -1,0 +1,204 @@
+"""A separate critic pre-trained on the starting policy's own episodes, for ``learner.critic_init``.
+
+Why: a critic that starts with a zero head explains almost none of a long-horizon return for the
+first ~30 steps of RL (docs/results/critic.json), so every GAE advantage and every compaction cut
+that bootstraps from it is noise exactly while the policy moves most. The starting policy is
+known before RL begins, so its value function can be fitted first, offline:
+
+1. play ``instances`` training instances (seeds 0.., disjoint from the held-out set) ``plays``
+   times each with ``model.path``'s policy, the actors' own episode code and engine;
+2. regress the learner's ``Critic`` (trunk initialised from ``model.path``, zero head) on every
+   turn's Monte-Carlo value: the mean return of the *other* plays of the instance that passed
+   through the same state (``learner.critic_eval.leave_one_out``; the turn's own return where no
+   other play did). That target is V^π itself up to sampling noise, cleaner than the one return
+   GAE with lambda 1 gives the learner;
+3. score it every 50 steps on the held-out instances (``eval.episodes`` x ``plays``) beside the
+   Monte-Carlo value function, as ``asyncppo eval --checkpoint`` does.
+
+    asyncppo critic --config C.yaml --out DIR [--instances 400] [--plays 8] [--steps 300]
+
+DIR holds the trunk (a Hugging Face directory), its value head (``value_head.safetensors``) and
+``critic_fit.json`` (the recipe, the held-out curve). A DIR whose ``critic_fit.json`` names the
+same recipe is reused. The episodes cost generated tokens the report counts: compare methods at
+equal budgets with them included.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.config import Config, to_dict
+from learner.batch import Batch
+from learner.critic_eval import explained, leave_one_out, turn_returns, turn_starts
+from learner.models import Critic, save_critic, shift_to_tokens
+
+REPORT = "critic_fit.json"
+LR, SEGMENTS_PER_STEP, SCORE_EVERY = 1e-3, 64, 50
+
+
+class Turns:
+    """Every turn of some played episodes: (segment, first action token) rows, the realised
+    return R_t and the regression target (the Monte-Carlo value, R_t where it has none)."""
+
+    def __init__(self, played: Sequence[tuple[int, list[tuple], list]], gamma: float) -> None:
+        self.segments: list = []
+        self.rows: list[tuple[int, int]] = []
+        self.returns: list[float] = []
+        keys, episode = [], []
+        for e, (seed, states, segments) in enumerate(played):
+            returns = turn_returns(segments, gamma)
+            starts = [turn_starts(seg.action_mask) for seg in segments]
+            if len(states) != len(returns):  # a turn that sampled no token: not scorable
+                continue
+            for seg, seg_starts in zip(segments, starts, strict=True):
+                self.segments.append(seg)
+                self.rows += [(len(self.segments) - 1, s) for s in seg_starts]
+            keys += [(seed, s) for s in states]
+            self.returns += returns
+            episode += [e] * len(returns)
+        self.monte_carlo = leave_one_out(keys, self.returns, episode)
+        self.targets = [
+            r if m is None else m for m, r in zip(self.monte_carlo, self.returns, strict=True)
+        ]
+
+
+def values(critic: Critic, segments: list, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """V at each (segment, position) of ``rows``, aligned as the learner reads it."""
+    ids, attn, _ = Batch.of(segments).inputs(list(range(len(segments))), "cpu")
+    v = shift_to_tokens(critic(ids, attn))
+    return torch.stack([v[r, s] for r, s in rows])
+
+
+def held_out_ev(critic: Critic, held: Turns, chunk: int = 256) -> float:
+    """The critic's explained variance of the held-out turns' realised returns."""
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(held.segments), chunk):
+            rows = [(r - i, s) for r, s in held.rows if i <= r < i + chunk]
+            out.append(values(critic, held.segments[i : i + chunk], rows))
+    return explained(held.returns, torch.cat(out).tolist())
+
+
+def play(cfg: Config, instances: list[tuple[int, int | None]], plays: int) -> tuple[Turns, int]:
+    """``instances`` x ``plays`` episodes of ``model.path``'s policy; their turns and the tokens
+    generated."""
+    from actors.engines import engine_for
+    from actors.episode import ChatFormat
+    from actors.evaluation import evaluate
+    from common.model import load_tokenizer
+
+    engine = engine_for(cfg, cfg.model.path)
+    fmt = ChatFormat(load_tokenizer(cfg.model.path))
+    played: list[tuple] = []
+    result = evaluate(
+        cfg,
+        engine,
+        fmt,
+        instances * plays,
+        on_episode=lambda p, ep: played.append((p.seed, p.states, ep.segments)),
+    )
+    return Turns(played, cfg.learner.gamma), int(result["generated_tokens"])
+
+
+def recipe(cfg: Config, instances: int, plays: int, steps: int, seed: int) -> dict[str, Any]:
+    """What decides the fitted critic: reusing a directory needs all of it to match."""
+    keys = ("env", "env_kwargs", "max_turns", "context_budget_tokens", "temperature", "top_p")
+    actor = to_dict(cfg)["actor"]
+    return {
+        "policy": str(Path(cfg.model.path).resolve()),
+        "actor": {k: actor[k] for k in keys},
+        "gamma": cfg.learner.gamma,
+        "held_out_episodes": cfg.eval.episodes,
+        "instances": instances,
+        "plays": plays,
+        "steps": steps,
+        "lr": LR,
+        "segments_per_step": SEGMENTS_PER_STEP,
+        "seed": seed,
+    }
+
+
+def fit_critic(
+    cfg: Config,
+    out: str | Path,
+    *,
+    instances: int = 400,
+    plays: int = 8,
+    steps: int = 300,
+    seed: int = 0,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Fit, score and save the critic (module docstring); its report. Reuses ``out`` when its
+    report names the same recipe."""
+    from actors.evaluation import held_out_instances
+    from learner.trainer import DTYPES
+
+    out = Path(out)
+    wanted = recipe(cfg, instances, plays, steps, seed)
+    if (out / REPORT).is_file():
+        report = json.loads((out / REPORT).read_text())
+        if report.get("recipe") == wanted:
+            log(f"{out} already holds this critic; reusing it")
+            return report
+    if out.exists() and any(out.iterdir()) and not (out / REPORT).is_file():
+        raise FileExistsError(f"--out {out} exists and holds something else than a fitted critic")
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    t0 = time.monotonic()
+    held, held_tokens = play(cfg, held_out_instances(cfg, cfg.eval.episodes), plays)
+    train, train_tokens = play(cfg, [(s, None) for s in range(instances)], plays)
+    log(f"played {len(train.rows)} training and {len(held.rows)} held-out turns")
+    scored = [i for i, m in enumerate(held.monte_carlo) if m is not None]
+    value_function_ev = explained(
+        [held.returns[i] for i in scored], [held.monte_carlo[i] for i in scored]
+    )
+    critic = Critic(cfg.model.path, DTYPES[cfg.model.dtype])
+    opt = torch.optim.AdamW(critic.parameters(), lr=LR)
+    by_segment: dict[int, list[tuple[int, int]]] = {}
+    for k, (r, s) in enumerate(train.rows):
+        by_segment.setdefault(r, []).append((s, k))
+    curve = [{"step": 0, "held_out_critic_ev": held_out_ev(critic, held)}]
+    for step in range(1, steps + 1):
+        pick = rng.sample(range(len(train.segments)), min(SEGMENTS_PER_STEP, len(train.segments)))
+        rows, target = [], []
+        for j, i in enumerate(pick):
+            for s, k in by_segment.get(i, []):
+                rows.append((j, s))
+                target.append(train.targets[k])
+        if not rows:
+            continue
+        v = values(critic, [train.segments[i] for i in pick], rows)
+        loss = ((v - torch.tensor(target)) ** 2).mean()  # least squares on V^pi's estimate
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % SCORE_EVERY == 0 or step == steps:
+            curve.append({"step": step, "held_out_critic_ev": held_out_ev(critic, held)})
+            log(
+                f"step {step}: held-out critic EV {curve[-1]['held_out_critic_ev']:.3f} "
+                f"(value function {value_function_ev:.3f})"
+            )
+    final = curve[-1]["held_out_critic_ev"]
+    report = {
+        "recipe": wanted,
+        "held_out_turns": len(held.rows),
+        "train_turns": len(train.rows),
+        "generated_tokens": {"train": train_tokens, "held_out": held_tokens},
+        "held_out_value_function_ev": value_function_ev,
+        "held_out_critic_ev": final,
+        "critic_fraction_of_value_function": final / value_function_ev
+        if value_function_ev > 0
+        else None,
+        "curve": curve,
+        "wall_s": time.monotonic() - t0,
+    }
+    save_critic(critic, out)
+    (out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    return report
