@@ -647,9 +647,21 @@ def summarize_long_horizon(records: list[dict]) -> dict[str, Any]:
     return out
 
 
+# summary name -> the key of `asyncppo eval --checkpoint`'s critic record
+CRITIC_SCORES = {
+    "critic_ev": "critic_explained_variance",
+    "value_function_ev": "value_function_explained_variance",
+    "fraction": "critic_fraction_of_value_function",
+    "exact_value_function_ev": "exact_value_function_explained_variance",
+    "fraction_of_exact": "critic_fraction_of_exact_value_function",
+}
+
+
 def summarize_critic(records: list[dict]) -> dict[str, Any]:
     """``summarize_long_horizon``, and per arm and scored step the critic's held-out explained
-    variance, the Monte-Carlo value function's, and their ratio (mean over seeds, 95% t-interval)."""
+    variance, the Monte-Carlo value function's, V^π's (free of the Monte-Carlo estimate's noise;
+    records from before it was measured have none) and the critic's ratios to them (mean over
+    seeds, 95% t-interval)."""
     out = summarize_long_horizon(records)
     for (task, algo), rs in groups(records, "task", "algorithm").items():
         by_step: dict[int, list[dict]] = {}
@@ -660,17 +672,10 @@ def summarize_critic(records: list[dict]) -> dict[str, Any]:
             continue
         out[f"{task}/{algo}"]["held_out_critic"] = {
             step: {
-                "critic_ev": seed_interval([c["critic_explained_variance"] for c in cs]),
-                "value_function_ev": seed_interval(
-                    [c["value_function_explained_variance"] for c in cs]
-                ),
-                "fraction": seed_interval(  # undefined where the value function explains nothing
-                    [
-                        c["critic_fraction_of_value_function"]
-                        for c in cs
-                        if c["critic_fraction_of_value_function"] is not None
-                    ]
-                ),
+                name: seed_interval(  # a ratio is undefined where its denominator explains nothing
+                    [c[key] for c in cs if c.get(key) is not None]
+                )
+                for name, key in CRITIC_SCORES.items()
             }
             for step, cs in sorted(by_step.items())
         }

@@ -210,7 +210,7 @@ def fit_critic(cfg: Any, args: argparse.Namespace) -> int:
     fraction = report["critic_fraction_of_value_function"]
     print(
         f"critic in {args.out}: held-out explained variance {report['held_out_critic_ev']:.3f}, "
-        f"the value function's {report['held_out_value_function_ev']:.3f}"
+        f"V^pi's {report['held_out_value_function_ev']:.3f}"
         + (f" ({fraction:.2f} of it)" if fraction is not None else "")
     )
     return 0
@@ -277,8 +277,9 @@ def eval_checkpoint(cfg: Any, args: argparse.Namespace, engine: Any, fmt: Any) -
     c = result["critic"]
     print(
         f"  critic: explained variance {c['critic_explained_variance']:.3f} of the return, "
-        f"Monte-Carlo value function {c['value_function_explained_variance']:.3f} "
-        f"({c['turns_scored']} of {c['turns']} turns, {c['samples_per_instance']} plays an instance)"
+        f"V^pi {c['exact_value_function_explained_variance']:.3f} (its Monte-Carlo estimate "
+        f"{c['value_function_explained_variance']:.3f}; "
+        f"{c['turns_scored']} of {c['turns']} turns, {c['samples_per_instance']} plays an instance)"
     )
     return 0
 

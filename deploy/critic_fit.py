@@ -12,8 +12,9 @@ known before RL begins, so its value function can be fitted first, offline:
    through the same state (``learner.critic_eval.leave_one_out``; the turn's own return where no
    other play did). That target is V^π itself up to sampling noise, cleaner than the one return
    GAE with lambda 1 gives the learner;
-3. score it every 50 steps on the held-out instances (``eval.episodes`` x ``plays``) beside the
-   Monte-Carlo value function, as ``asyncppo eval --checkpoint`` does.
+3. score it every 50 steps on the held-out instances (``eval.episodes`` x ``plays``) beside
+   V^π's own explained variance (``exact_value_explained``), as ``asyncppo eval --checkpoint``
+   does.
 
     asyncppo critic --config C.yaml --out DIR [--instances 400] [--plays 8] [--steps 300]
 
@@ -36,7 +37,13 @@ import torch
 
 from common.config import Config, to_dict
 from learner.batch import Batch
-from learner.critic_eval import explained, leave_one_out, turn_returns, turn_starts
+from learner.critic_eval import (
+    exact_value_explained,
+    explained,
+    leave_one_out,
+    turn_returns,
+    turn_starts,
+)
 from learner.models import Critic, save_critic, shift_to_tokens
 
 REPORT = "critic_fit.json"
@@ -45,7 +52,9 @@ LR, SEGMENTS_PER_STEP, SCORE_EVERY = 1e-3, 64, 50
 
 class Turns:
     """Every turn of some played episodes: (segment, first action token) rows, the realised
-    return R_t and the regression target (the Monte-Carlo value, R_t where it has none)."""
+    return R_t, the regression target (the Monte-Carlo value, R_t where it has none), the turns
+    another play also reached (``scored``: where the value function is defined) and V^π's
+    explained variance on them."""
 
     def __init__(self, played: Sequence[tuple[int, list[tuple], list]], gamma: float) -> None:
         self.segments: list = []
@@ -64,9 +73,11 @@ class Turns:
             self.returns += returns
             episode += [e] * len(returns)
         self.monte_carlo = leave_one_out(keys, self.returns, episode)
+        self.exact_value_ev = exact_value_explained(keys, self.returns, episode)
         self.targets = [
             r if m is None else m for m, r in zip(self.monte_carlo, self.returns, strict=True)
         ]
+        self.scored = [i for i, m in enumerate(self.monte_carlo) if m is not None]
 
 
 def values(critic: Critic, segments: list, rows: list[tuple[int, int]]) -> torch.Tensor:
@@ -77,13 +88,15 @@ def values(critic: Critic, segments: list, rows: list[tuple[int, int]]) -> torch
 
 
 def held_out_ev(critic: Critic, held: Turns, chunk: int = 256) -> float:
-    """The critic's explained variance of the held-out turns' realised returns."""
+    """The critic's explained variance of the held-out turns' realised returns (on the scored
+    turns, as the value function's)."""
     out = []
     with torch.no_grad():
         for i in range(0, len(held.segments), chunk):
             rows = [(r - i, s) for r, s in held.rows if i <= r < i + chunk]
             out.append(values(critic, held.segments[i : i + chunk], rows))
-    return explained(held.returns, torch.cat(out).tolist())
+    v = torch.cat(out).tolist()
+    return explained([held.returns[i] for i in held.scored], [v[i] for i in held.scored])
 
 
 def play(cfg: Config, instances: list[tuple[int, int | None]], plays: int) -> tuple[Turns, int]:
@@ -155,10 +168,10 @@ def fit_critic(
     held, held_tokens = play(cfg, held_out_instances(cfg, cfg.eval.episodes), plays)
     train, train_tokens = play(cfg, [(s, None) for s in range(instances)], plays)
     log(f"played {len(train.rows)} training and {len(held.rows)} held-out turns")
-    scored = [i for i, m in enumerate(held.monte_carlo) if m is not None]
-    value_function_ev = explained(
-        [held.returns[i] for i in scored], [held.monte_carlo[i] for i in scored]
+    monte_carlo_ev = explained(
+        [held.returns[i] for i in held.scored], [held.monte_carlo[i] for i in held.scored]
     )
+    value_function_ev = held.exact_value_ev
     critic = Critic(cfg.model.path, DTYPES[cfg.model.dtype])
     opt = torch.optim.AdamW(critic.parameters(), lr=LR)
     by_segment: dict[int, list[tuple[int, int]]] = {}
@@ -183,7 +196,7 @@ def fit_critic(
             curve.append({"step": step, "held_out_critic_ev": held_out_ev(critic, held)})
             log(
                 f"step {step}: held-out critic EV {curve[-1]['held_out_critic_ev']:.3f} "
-                f"(value function {value_function_ev:.3f})"
+                f"(V^pi {value_function_ev:.3f})"
             )
     final = curve[-1]["held_out_critic_ev"]
     report = {
@@ -191,6 +204,9 @@ def fit_critic(
         "held_out_turns": len(held.rows),
         "train_turns": len(train.rows),
         "generated_tokens": {"train": train_tokens, "held_out": held_tokens},
+        "held_out_turns_scored": len(held.scored),
+        # the Monte-Carlo estimate's own (noisy with few plays), and V^pi's (exact_value_explained)
+        "held_out_monte_carlo_ev": monte_carlo_ev,
         "held_out_value_function_ev": value_function_ev,
         "held_out_critic_ev": final,
         "critic_fraction_of_value_function": final / value_function_ev

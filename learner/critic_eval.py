@@ -136,12 +136,12 @@ def critic_values(
     return out
 
 
-def leave_one_out(
+def _others(
     states: Sequence[Hashable], returns: Sequence[float], episode: Sequence[int]
-) -> list[float | None]:
-    """For each turn, the mean return of the turns of *other* episodes in the same state; None
-    where no other episode reached it. (An episode visits a state at most once where the state
-    counts turns; where it can revisit one, its own visits are all left out.)"""
+) -> list[tuple[float, int]]:
+    """For each turn, the sum and the count of the returns of the turns of *other* episodes in
+    the same state. (An episode visits a state at most once where the state counts turns; where
+    it can revisit one, its own visits are all left out.)"""
     total: dict[Hashable, float] = defaultdict(float)
     count: dict[Hashable, int] = defaultdict(int)
     own: dict[tuple[Hashable, int], tuple[float, int]] = defaultdict(lambda: (0.0, 0))
@@ -150,12 +150,41 @@ def leave_one_out(
         count[s] += 1
         t, c = own[s, e]
         own[s, e] = (t + r, c + 1)
-    out: list[float | None] = []
-    for s, e in zip(states, episode, strict=True):
-        t, c = own[s, e]
-        others = count[s] - c
-        out.append((total[s] - t) / others if others else None)
-    return out
+    return [
+        (total[s] - own[s, e][0], count[s] - own[s, e][1])
+        for s, e in zip(states, episode, strict=True)
+    ]
+
+
+def leave_one_out(
+    states: Sequence[Hashable], returns: Sequence[float], episode: Sequence[int]
+) -> list[float | None]:
+    """For each turn, the mean return of the turns of other episodes in the same state (the
+    Monte-Carlo value of the state); None where no other episode reached it."""
+    return [t / n if n else None for t, n in _others(states, returns, episode)]
+
+
+def exact_value_explained(
+    states: Sequence[Hashable], returns: Sequence[float], episode: Sequence[int]
+) -> float:
+    """The explained variance of V^π itself on the turns another episode also reached,
+    estimated without the sampling noise of its Monte-Carlo estimate m (the mean of the n other
+    plays' returns), which ``explained(R, m)`` counts against the value function.
+
+    Given the state, R and the n other returns are independent draws of one distribution with
+    variance σ²_s, so E[(R − m)² | s] = σ²_s (1 + 1/n) while E[(R − V^π)² | s] = σ²_s: each
+    squared residual weighted by n/(n+1) estimates V^π's, and V^π's residual has mean 0, so
+    EV = 1 − Σ (R − m)² n/(n+1) / Σ (R − R̄)². With few plays m is noisy enough that a critic
+    can "beat" it; this is the figure a critic is compared with."""
+    others = _others(states, returns, episode)
+    kept = [(r, t / n, n) for r, (t, n) in zip(returns, others, strict=True) if n]
+    if not kept:
+        return 0.0
+    r, m, n = (np.array(x, dtype=np.float64) for x in zip(*kept, strict=True))
+    var_r = float(np.var(r))
+    if var_r <= 1e-12:
+        return 0.0
+    return 1.0 - float(np.mean((r - m) ** 2 * n / (n + 1))) / var_r
 
 
 def explained(returns: Sequence[float], predictions: Sequence[float]) -> float:
@@ -172,8 +201,9 @@ def score_critic(
     models: Models,
     played: Sequence[tuple[Hashable, Sequence[Hashable], Sequence[Segment]]],
 ) -> dict[str, Any]:
-    """The critic's and the Monte-Carlo value function's explained variance of the return, on
-    the turns whose state another episode also reached (both on the same turns)."""
+    """The critic's, the Monte-Carlo value function's and V^π's (``exact_value_explained``)
+    explained variance of the return, on the turns whose state another episode also reached
+    (all on the same turns)."""
     instances, states, episodes = zip(*played, strict=True) if played else ((), (), ())
     values = critic_values(cfg, models, episodes) if episodes else []
     keys, returns, critic, episode = [], [], [], []
@@ -194,6 +224,7 @@ def score_critic(
     r = [returns[i] for i in kept]
     critic_ev = explained(r, [critic[i] for i in kept])
     value_ev = explained(r, [mc[i] for i in kept])
+    exact_ev = exact_value_explained(keys, returns, episode)
     return {
         "turns": len(returns),
         "turns_scored": len(kept),
@@ -202,5 +233,8 @@ def score_critic(
         "critic_explained_variance": critic_ev,
         "value_function_explained_variance": value_ev,
         "critic_fraction_of_value_function": critic_ev / value_ev if value_ev > 0 else None,
+        # V^π's own, free of the Monte-Carlo estimate's noise (exact_value_explained)
+        "exact_value_function_explained_variance": exact_ev,
+        "critic_fraction_of_exact_value_function": critic_ev / exact_ev if exact_ev > 0 else None,
         "critic_explained_variance_all_turns": explained(returns, critic),
     }

@@ -14,6 +14,7 @@ from test_learner import build_learner, fixed_batch, on_policy
 from deploy.cli import main
 from learner.batch import Batch
 from learner.critic_eval import (
+    exact_value_explained,
     explained,
     leave_one_out,
     load_models,
@@ -45,6 +46,24 @@ def test_the_monte_carlo_value_leaves_the_episode_itself_out():
     episode = [0, 0, 1, 1, 2]
     assert leave_one_out(states, returns, episode) == [0.5, 0.0, 1.0, 1.0, 0.5]
     assert leave_one_out(["only"], [1.0], [0]) == [None]
+
+
+def test_the_value_functions_explained_variance_is_measured_without_its_estimates_noise():
+    # 3,000 states with a known V^pi, each played 4 times: a 0/1 return of mean V. The explained
+    # variance of V itself is Var(V) / Var(R) = (1/12) / (1/4) = 1/3; the leave-one-out mean of
+    # the 3 other plays adds Var(R|s)/3 to every residual and explains only ~1/9.
+    rng = np.random.default_rng(0)
+    truth = rng.uniform(size=3000)
+    states = np.repeat(np.arange(3000), 4)
+    returns = (rng.uniform(size=states.size) < truth[states]).astype(float).tolist()
+    episode = list(range(states.size))  # every play its own episode
+    mc = leave_one_out(states.tolist(), returns, episode)
+    of_truth = explained(returns, truth[states].tolist())
+    assert abs(of_truth - 1 / 3) < 0.05  # the sample's own
+    assert explained(returns, mc) < of_truth - 0.15
+    assert abs(exact_value_explained(states.tolist(), returns, episode) - of_truth) < 0.05
+    # No other play anywhere: nothing to measure.
+    assert exact_value_explained(["a", "b"], [0.0, 1.0], [0, 1]) == 0.0
 
 
 def test_explained_variance_is_one_for_the_returns_and_zero_for_their_mean():
@@ -93,6 +112,7 @@ def test_eval_checkpoint_scores_the_learners_own_critic(tmp_path, tiny_model, ca
         0 < critic["turns_scored"] <= critic["turns"] == sum(r["turns"] for r in result["records"])
     )
     assert critic["value_function_explained_variance"] <= 1.0
+    assert critic["exact_value_function_explained_variance"] <= 1.0
     assert "critic: explained variance" in capfd.readouterr().out
 
 
