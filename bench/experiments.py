@@ -59,6 +59,9 @@ WARM_MAZE_MODEL = "runs/models/tiny-maze-warm"  # `asyncppo model warmup maze` b
 WARM_CHAIN_MODEL = "runs/models/tiny-chain-warm"  # `asyncppo model warmup chain` builds it
 # `asyncppo critic` on the warm chain model's early-termination episodes (fitted_critic)
 WARM_CHAIN_CRITIC = "runs/models/tiny-chain-warm-critic"
+# The warm chain model's weights with 2,048 positions: a 50-turn episode without compaction is
+# ~1,400 tokens (long_context_copy)
+WARM_CHAIN_2K_MODEL = "runs/models/tiny-chain-warm-2k"
 
 BASE = {
     "model.path": MODEL,
@@ -498,23 +501,30 @@ def long_horizon_runs(quick: bool, seeds: int) -> list[Run]:
     ]
 
 
+# cut_bootstrap's arms: label -> learner/actor overrides
+CUT_MODES = {
+    "cut -> critic": {"learner.cut_bootstrap": "critic"},  # ours
+    "cut -> zero": {"learner.cut_bootstrap": "zero"},  # slime's choice
+    # every episode one segment: the same weights with room for a whole episode, and a context
+    # budget no episode reaches
+    "no compaction": {"model.path": WARM_CHAIN_2K_MODEL, "actor.context_budget_tokens": 2048},
+}
+
+
 def cut_bootstrap_runs(quick: bool, seeds: int) -> list[Run]:
     """Critic PPO on the chain (early termination): a compaction cut bootstraps from the critic's
-    value at the next segment (ours) or ends the segment's return at 0 (slime's choice)."""
+    value at the next segment (ours) or ends the segment's return at 0 (slime's choice), or the
+    context is never compacted."""
     return [
         chain_run(
-            f"{mode}-s{seed}",
-            {"task": "early", "algorithm": f"ppo, cut -> {mode}"},
+            f"{label.removeprefix('cut -> ').replace(' ', '-')}-s{seed}",
+            {"task": "early", "algorithm": f"ppo, {label}"},
             quick,
             seed,
             120,
-            **{
-                "actor.env_kwargs": CHAIN_VARIANTS["early"],
-                "learner.algorithm": "ppo",
-                "learner.cut_bootstrap": mode,
-            },
+            **{"actor.env_kwargs": CHAIN_VARIANTS["early"], "learner.algorithm": "ppo", **extra},
         )
-        for mode in ("critic", "zero")
+        for label, extra in CUT_MODES.items()
         for seed in range(seeds)
     ]
 
@@ -644,6 +654,13 @@ def summarize_long_horizon(records: list[dict]) -> dict[str, Any]:
                 ]
             ),
             "action_tokens_trained": seed_interval([float(sum(r["series"]["tokens"])) for r in rs]),
+            "segments_per_episode": seed_interval(  # what compaction made of an episode
+                [
+                    r["summary"]["trajectories_trained"] / r["summary"]["episodes_trained"]
+                    for r in rs
+                    if r["summary"].get("episodes_trained")
+                ]
+            ),
         }
     return out
 
@@ -1065,6 +1082,20 @@ def warm_model(env: str, out: str) -> Callable[[bool], None]:
     return prepare
 
 
+def long_context_copy(quick: bool) -> None:
+    """The chain's warm model, then WARM_CHAIN_2K_MODEL: its files with max_position_embeddings
+    2048. The same weights: Llama's rotary embeddings encode positions relative to each other,
+    with no table to grow (a model type with one is refused)."""
+    warm_model("chain", WARM_CHAIN_MODEL)(quick)
+    src, dst = ROOT / WARM_CHAIN_MODEL, ROOT / WARM_CHAIN_2K_MODEL
+    config = json.loads((src / "config.json").read_text())
+    if config["model_type"] != "llama":
+        raise SystemExit(f"{src}: model_type {config['model_type']!r} is not llama (rotary)")
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    (dst / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+
+
 def fitted_critic(quick: bool) -> None:
     """The chain's warm model, then `asyncppo critic` on its early-termination episodes with the
     critic arms' settings (reused when the directory holds the same recipe); --quick fits a
@@ -1106,7 +1137,7 @@ EXPERIMENTS = {
         "bootstrapping the critic across compaction cuts trains long-horizon agents better than "
         "ending every segment with value 0",
         model=WARM_CHAIN_MODEL,
-        prepare=warm_model("chain", WARM_CHAIN_MODEL),
+        prepare=long_context_copy,
     ),
     "critic": Experiment(
         critic_runs,
