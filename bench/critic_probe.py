@@ -1,12 +1,17 @@
-"""The first steps of one arm of the critic experiment: does its critic reach >= 0.8 of the value
-function's held-out explained variance before step 30?
+"""The first steps of one arm of the critic experiment: does its critic reach >= 0.8 of V^π's
+held-out explained variance before step 30?
 
-The full experiment (``bench/experiments.py critic``) runs every arm for 120 steps (~15 min a
-seed); the target concerns steps 10-30. This runs one arm of ``experiments.CRITICS`` for
-``--steps`` steps per seed, with the same config and the same held-out scoring of its checkpoints
-(``asyncppo eval --checkpoint``, 96 instances x 16 plays), ~5 min a seed on 2 cores:
+The full experiment (``bench/experiments.py critic``) runs every arm for 120 steps (~16 min a
+seed); the target concerns steps 10-30. This runs one arm of ``experiments.CRITICS``, with
+``--set`` overrides on top, for ``--steps`` steps per seed, with the same config and the same
+held-out scoring of its checkpoints (``asyncppo eval --checkpoint``, 96 instances x 16 plays),
+~5 min a seed on 2 cores:
 
-    python bench/critic_probe.py separate-g1-init --seeds 3   # -> docs/results/critic_probe.json
+    python bench/critic_probe.py separate-g1-init --seeds 1 \
+        --set learner.critic_lam=0.95 --out docs/results/critic_probe_lam0.95.json
+
+A probe's clip schedule runs over its own steps (faster than in a 120-step run), so its figures
+are close to, not the same as, the full experiment's at the same step.
 """
 
 from __future__ import annotations
@@ -17,10 +22,20 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import experiments as X  # noqa: E402
+
+
+def override(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE parsed as YAML, as ``asyncppo --set`` does."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--set wants KEY=VALUE, got {text!r}")
+    return key, yaml.safe_load(value)
 
 
 def main() -> None:
@@ -29,14 +44,19 @@ def main() -> None:
     ap.add_argument("arm", choices=sorted(arms))
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs/results/critic_probe.json")
+    ap.add_argument("--set", type=override, action="append", default=[], dest="sets")
+    ap.add_argument(
+        "--out", type=Path, default=ROOT / "docs/results/critic_probe.json", help="the report"
+    )
     args = ap.parse_args()
     label, extra = arms[args.arm]
+    extra = {**extra, **dict(args.sets)}
     X.fitted_critic(False)
+    tag = "".join(f"-{k.rsplit('.', 1)[-1]}{v}" for k, v in args.sets)
     per_seed = []
     for seed in range(args.seeds):
         run = X.chain_run(
-            f"{args.arm}-{args.steps}steps-s{seed}",
+            f"{args.arm}{tag}-{args.steps}steps-s{seed}",
             {"task": "early", "algorithm": f"ppo, {label}"},
             False,
             seed,
@@ -47,27 +67,34 @@ def main() -> None:
             run, critic_steps=tuple(s for s in X.CRITIC_STEPS if s <= args.steps)
         )
         per_seed.append(X.launch(run, "critic_probe").critic_curve)
-    steps = [p["step"] for p in per_seed[0]]
-    fraction = {
-        step: X.seed_interval(
-            [
-                p["critic"]["critic_fraction_of_value_function"]
-                for curve in per_seed
-                for p in curve
-                if p["step"] == step
-            ]
+    fractions = {
+        name: {
+            point["step"]: X.seed_interval(
+                [
+                    p["critic"][key]
+                    for curve in per_seed
+                    for p in curve
+                    if p["step"] == point["step"] and p["critic"].get(key) is not None
+                ]
+            )
+            for point in per_seed[0]
+        }
+        for name, key in (
+            ("of_value_function", "critic_fraction_of_exact_value_function"),
+            ("of_monte_carlo_estimate", "critic_fraction_of_value_function"),
         )
-        for step in steps
     }
+    sets = "".join(f" --set {k}={json.dumps(v)}" for k, v in args.sets)
     report = {
-        "command": f"python bench/critic_probe.py {args.arm} --seeds {args.seeds} --steps {args.steps}",
+        "command": f"python bench/critic_probe.py {args.arm} --seeds {args.seeds} "
+        f"--steps {args.steps}{sets}",
         "arm": label,
         "overrides": extra,
-        "critic_fraction_of_value_function": fraction,
+        "critic_fraction": fractions,
         "curves": per_seed,
     }
     args.out.write_text(json.dumps(report, indent=1, default=float) + "\n")
-    print(json.dumps(fraction, indent=1, default=float))
+    print(json.dumps(fractions, indent=1, default=float))
 
 
 if __name__ == "__main__":

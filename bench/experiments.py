@@ -571,7 +571,7 @@ CRITICS = {  # label -> (run name prefix, learner overrides); "separate" is long
 
 
 # Steps whose checkpoint's critic the critic experiment scores on held-out episodes (the target:
-# >= 0.8 of the Monte-Carlo value function's explained variance before step 30).
+# >= 0.8 of V^π's explained variance before step 30).
 CRITIC_STEPS = (10, 20, 30, 60, 120)
 
 
