@@ -22,20 +22,12 @@ import json
 import sys
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import experiments as X  # noqa: E402
 
-
-def override(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` with VALUE parsed as YAML, as ``asyncppo --set`` does."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--set wants KEY=VALUE, got {text!r}")
-    return key, yaml.safe_load(value)
+from common.config import parse_override  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +36,7 @@ def main() -> None:
     ap.add_argument("arm", choices=sorted(arms))
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--set", type=override, action="append", default=[], dest="sets")
+    ap.add_argument("--set", type=parse_override, action="append", default=[], dest="sets")
     ap.add_argument(
         "--out", type=Path, default=ROOT / "docs/results/critic_probe.json", help="the report"
     )
@@ -80,8 +72,8 @@ def main() -> None:
             for point in per_seed[0]
         }
         for name, key in (
-            ("of_value_function", "critic_fraction_of_exact_value_function"),
-            ("of_monte_carlo_estimate", "critic_fraction_of_value_function"),
+            ("of_value_function", X.CRITIC_SCORES["fraction_of_exact"]),
+            ("of_monte_carlo_estimate", X.CRITIC_SCORES["fraction"]),
         )
     }
     sets = "".join(f" --set {k}={json.dumps(v)}" for k, v in args.sets)
