@@ -44,7 +44,8 @@ def main() -> None:
     label, extra = arms[args.arm]
     extra = {**extra, **dict(args.sets)}
     X.fitted_critic(False)
-    tag = "".join(f"-{k.rsplit('.', 1)[-1]}{v}" for k, v in args.sets)
+    # the run's name says its overrides (a path's last part only: a run name is a directory)
+    tag = "".join(f"-{k.rsplit('.', 1)[-1]}{str(v).rsplit('/', 1)[-1]}" for k, v in args.sets)
     per_seed = []
     for seed in range(args.seeds):
         run = X.chain_run(
@@ -60,20 +61,10 @@ def main() -> None:
         )
         per_seed.append(X.launch(run, "critic_probe").critic_curve)
     fractions = {
-        name: {
-            point["step"]: X.seed_interval(
-                [
-                    p["critic"][key]
-                    for curve in per_seed
-                    for p in curve
-                    if p["step"] == point["step"] and p["critic"].get(key) is not None
-                ]
-            )
-            for point in per_seed[0]
-        }
+        name: {step: scores[key] for step, scores in X.critic_curve_intervals(per_seed).items()}
         for name, key in (
-            ("of_value_function", X.CRITIC_SCORES["fraction_of_exact"]),
-            ("of_monte_carlo_estimate", X.CRITIC_SCORES["fraction"]),
+            ("of_value_function", "fraction_of_exact"),
+            ("of_monte_carlo_estimate", "fraction"),
         )
     }
     sets = "".join(f" --set {k}={json.dumps(v)}" for k, v in args.sets)

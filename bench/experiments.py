@@ -57,8 +57,12 @@ MODEL = "runs/models/tiny"  # the built-in random-init model: the same starting 
 SMOLLM2 = "runs/models/smollm2-135m-instruct"  # `make smollm2` prepares it
 WARM_MAZE_MODEL = "runs/models/tiny-maze-warm"  # `asyncppo model warmup maze` builds it
 WARM_CHAIN_MODEL = "runs/models/tiny-chain-warm"  # `asyncppo model warmup chain` builds it
-# `asyncppo critic` on the warm chain model's early-termination episodes (fitted_critic)
+# `asyncppo critic` on the warm chain model's early-termination episodes (fitted_critic): its
+# directory -> (instances, plays, steps); the second plays 4x the instances for 4x the steps
 WARM_CHAIN_CRITIC = "runs/models/tiny-chain-warm-critic"
+WARM_CHAIN_CRITIC_12K = "runs/models/tiny-chain-warm-critic-12k"
+FITTED_CRITICS = {WARM_CHAIN_CRITIC: (400, 8, 300), WARM_CHAIN_CRITIC_12K: (1600, 8, 1200)}
+QUICK_CRITIC = ("runs/models/tiny-chain-warm-critic-quick", (40, 4, 50))
 # The warm chain model's weights with 2,048 positions: a 50-turn episode without compaction is
 # ~1,400 tokens (long_context_copy)
 WARM_CHAIN_2K_MODEL = "runs/models/tiny-chain-warm-2k"
@@ -567,6 +571,17 @@ CRITICS = {  # label -> (run name prefix, learner overrides); "separate" is long
             "learner.critic_init": WARM_CHAIN_CRITIC,
         },
     ),
+    # ... fitted to 4x the episodes (12,800: the fit's held-out EV still rose at 3,200), and with
+    # its 8 updates a step drawn from the last 8 batches instead of repeating this step's one
+    "separate, groups of 1, lr 3e-4 x8 over the last 8 batches, pre-trained on 12,800 episodes": (
+        "separate-g1-init12k-replay8",
+        {
+            **FAST_CRITIC_G1,
+            "learner.critic_lr": 3e-4,
+            "learner.critic_replay": 8,
+            "learner.critic_init": WARM_CHAIN_CRITIC_12K,
+        },
+    ),
 }
 
 
@@ -592,7 +607,7 @@ def critic_runs(quick: bool, seeds: int) -> list[Run]:
                     "learner.algorithm": "ppo",
                     **extra,
                     **(
-                        {"learner.critic_init": WARM_CHAIN_CRITIC + "-quick"}
+                        {"learner.critic_init": QUICK_CRITIC[0]}
                         if quick and "learner.critic_init" in extra
                         else {}
                     ),
@@ -675,6 +690,22 @@ CRITIC_SCORES = {
 }
 
 
+def critic_curve_intervals(curves: list[list[dict]]) -> dict[int, dict[str, Any]]:
+    """Per scored step of some seeds' critic curves, each of CRITIC_SCORES as a mean over seeds
+    with its 95% t-interval (a ratio is left out where its denominator explained nothing)."""
+    by_step: dict[int, list[dict]] = {}
+    for curve in curves:
+        for point in curve:
+            by_step.setdefault(point["step"], []).append(point["critic"])
+    return {
+        step: {
+            name: seed_interval([c[key] for c in cs if c.get(key) is not None])
+            for name, key in CRITIC_SCORES.items()
+        }
+        for step, cs in sorted(by_step.items())
+    }
+
+
 def summarize_critic(records: list[dict]) -> dict[str, Any]:
     """``summarize_long_horizon``, and per arm and scored step the critic's held-out explained
     variance, the Monte-Carlo value function's, V^π's (free of the Monte-Carlo estimate's noise;
@@ -682,21 +713,9 @@ def summarize_critic(records: list[dict]) -> dict[str, Any]:
     seeds, 95% t-interval)."""
     out = summarize_long_horizon(records)
     for (task, algo), rs in groups(records, "task", "algorithm").items():
-        by_step: dict[int, list[dict]] = {}
-        for r in rs:
-            for point in r.get("critic_curve") or []:
-                by_step.setdefault(point["step"], []).append(point["critic"])
-        if f"{task}/{algo}" not in out or not by_step:
-            continue
-        out[f"{task}/{algo}"]["held_out_critic"] = {
-            step: {
-                name: seed_interval(  # a ratio is undefined where its denominator explains nothing
-                    [c[key] for c in cs if c.get(key) is not None]
-                )
-                for name, key in CRITIC_SCORES.items()
-            }
-            for step, cs in sorted(by_step.items())
-        }
+        curves = [r["critic_curve"] for r in rs if r.get("critic_curve")]
+        if f"{task}/{algo}" in out and curves:
+            out[f"{task}/{algo}"]["held_out_critic"] = critic_curve_intervals(curves)
     return out
 
 
@@ -1098,17 +1117,18 @@ def long_context_copy(quick: bool) -> None:
 
 def fitted_critic(quick: bool) -> None:
     """The chain's warm model, then `asyncppo critic` on its early-termination episodes with the
-    critic arms' settings (reused when the directory holds the same recipe); --quick fits a
-    smaller one in its own directory (the quick arm's critic_init is rewritten to match)."""
+    critic arms' settings, once per size of FITTED_CRITICS (reused when the directory holds the
+    same recipe); --quick fits one small one (every quick arm's critic_init is rewritten to it)."""
     warm_model("chain", WARM_CHAIN_MODEL)(quick)
-    overrides = {**CHAIN, "actor.env_kwargs": CHAIN_VARIANTS["early"], "eval.episodes": 96}
-    size = ["--instances", "400", "--plays", "8", "--steps", "300"]
-    if quick:
-        overrides["eval.episodes"] = 48
-        size = ["--instances", "40", "--plays", "4", "--steps", "50"]
-    out = WARM_CHAIN_CRITIC + ("-quick" if quick else "")
-    cmd = [sys.executable, "-m", "deploy.cli", "critic", *override_args(overrides), *size]
-    subprocess.run([*cmd, "--out", out], cwd=ROOT, check=True)
+    overrides = {
+        **CHAIN,
+        "actor.env_kwargs": CHAIN_VARIANTS["early"],
+        "eval.episodes": 48 if quick else 96,
+    }
+    for out, sizes in [QUICK_CRITIC] if quick else FITTED_CRITICS.items():
+        size = [f"--{k}={v}" for k, v in zip(("instances", "plays", "steps"), sizes, strict=True)]
+        cmd = [sys.executable, "-m", "deploy.cli", "critic", *override_args(overrides), *size]
+        subprocess.run([*cmd, "--out", out], cwd=ROOT, check=True)
 
 
 def require_smollm2(quick: bool) -> None:

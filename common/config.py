@@ -325,6 +325,13 @@ class LearnerConfig:
         "separate critic starts from instead of a zero head (a resumed checkpoint's critic wins).",
     )
     critic_updates: int = param(1, "Critic updates per policy update.", minimum=1)
+    critic_replay: int = param(
+        1,
+        "Batches a separate critic's updates draw from: the step's own and the last ones before "
+        "it, newest first, one batch per update (with critic_updates >= this, each is seen). A "
+        "replayed batch keeps its returns and value-clip anchor from its own step.",
+        minimum=1,
+    )
     value_coef: float = param(0.5, "Weight of the value loss with a shared critic.")
     kl_coef: float = param(0.0, "KL penalty to the frozen initial policy (0 = off, the default).")
     entropy_coef: float = param(
@@ -500,8 +507,8 @@ def _check_actor(a: ActorConfig) -> None:
 
 def _check_learner(lc: LearnerConfig) -> None:
     """IcePop's band must contain 1 (a token with no mismatch is kept); an EV-gated critic
-    warm-up needs a critic and a longest wait; a critic to start from needs a separate critic;
-    LoRA needs modules."""
+    warm-up needs a critic and a longest wait; a critic to start from or to replay batches to needs
+    a separate critic; LoRA needs modules."""
     if not 0 < lc.icepop_low <= 1 <= lc.icepop_high:
         raise ConfigError(
             "config keys 'learner.icepop_low'/'learner.icepop_high' need 0 < low <= 1 <= high, "
@@ -513,12 +520,14 @@ def _check_learner(lc: LearnerConfig) -> None:
             "learner.critic_warmup_steps >= 1 (the longest the policy waits), got "
             f"algorithm={lc.algorithm!r}, critic_warmup_steps={lc.critic_warmup_steps}"
         )
-    if lc.critic_init is not None and (lc.algorithm != "ppo" or lc.critic != "separate"):
-        raise ConfigError(
-            "config key 'learner.critic_init' needs learner.algorithm=ppo and "
-            f"learner.critic=separate (a critic of its own), got algorithm={lc.algorithm!r}, "
-            f"critic={lc.critic!r}"
-        )
+    own_critic = {"critic_init": lc.critic_init is not None, "critic_replay": lc.critic_replay > 1}
+    for key in (k for k, used in own_critic.items() if used):
+        if lc.algorithm != "ppo" or lc.critic != "separate":
+            raise ConfigError(
+                f"config key 'learner.{key}' needs learner.algorithm=ppo and "
+                f"learner.critic=separate (a critic of its own), got algorithm={lc.algorithm!r}, "
+                f"critic={lc.critic!r}"
+            )
     targets = lc.lora.target_modules
     if not targets or not all(isinstance(t, str) and t for t in targets):
         raise ConfigError(

@@ -47,6 +47,9 @@ from learner.critic_eval import (
 from learner.models import Critic, save_critic, shift_to_tokens
 
 REPORT = "critic_fit.json"
+# Bumped when a report key changes meaning (2: held_out_value_function_ev is V^pi's own, no longer
+# its Monte-Carlo estimate's): a directory with an older report is refitted, not reused.
+REPORT_FORMAT = 2
 LR, SEGMENTS_PER_STEP, SCORE_EVERY = 1e-3, 64, 50
 
 
@@ -125,6 +128,7 @@ def recipe(cfg: Config, instances: int, plays: int, steps: int, seed: int) -> di
     keys = ("env", "env_kwargs", "max_turns", "context_budget_tokens", "temperature", "top_p")
     actor = to_dict(cfg)["actor"]
     return {
+        "report_format": REPORT_FORMAT,
         "policy": str(Path(cfg.model.path).resolve()),
         "actor": {k: actor[k] for k in keys},
         "gamma": cfg.learner.gamma,

@@ -148,6 +148,8 @@ class TrainStep:
         # checkpoint keeps it), and the critic's explained variance on the last fresh batches.
         self.policy_started = lc.critic_warmup_steps == 0
         self.recent_ev: deque[float] = deque(maxlen=EV_WINDOW)
+        # The batches a separate critic's updates draw from (learner.critic_replay), newest last.
+        self.critic_window: deque[Step] = deque(maxlen=lc.critic_replay)
 
     def __call__(
         self, batch: Batch, episodes: list[list[Segment]], index: int
@@ -268,14 +270,20 @@ class TrainStep:
     # ------------------------------------------------------------ optimise
     def _optimise(self, step: Step, *, train_policy: bool) -> dict[str, float]:
         """``ppo_epochs`` passes: the critic's updates, then the policy's (after the critic's
-        warm-up); the loss terms' means over the epochs and the policy's last gradient norm."""
+        warm-up); the loss terms' means over the epochs and the policy's last gradient norm.
+
+        Update j of the critic trains on the j-th newest batch of its window (this step's first,
+        cycling): with ``critic_replay`` > 1 it fits the last few policies' episodes, not only
+        one noisy batch of returns, for the same compute."""
         lc, m = self.lc, self.models
         sums = dict.fromkeys(LOSS_TERMS, 0.0)
         grad_norm = 0.0
+        self.critic_window.append(step)
         for _ in range(lc.ppo_epochs):
             if m.critic is not None:
-                for _ in range(lc.critic_updates):
-                    terms, _ = self._micro_steps(m.critic, step, self._critic_loss)
+                for j in range(lc.critic_updates):
+                    seen = self.critic_window[-1 - j % len(self.critic_window)]
+                    terms, _ = self._micro_steps(m.critic, seen, self._critic_loss)
                     sums["value_loss"] += terms.get("value_loss", 0.0) / lc.critic_updates
             if train_policy or m.shared:  # a shared trunk still learns the value loss
                 terms, grad_norm = self._micro_steps(

@@ -73,6 +73,12 @@ def test_a_fitted_critic_is_written_reused_and_starts_the_learners_critic(
     assert main(fit_args(tiny_model, out)) == 0
     assert "reusing" in capfd.readouterr().out
     assert (out / VALUE_HEAD).stat().st_mtime_ns == stamp
+    # A report from before its format was versioned (its V^pi key held the MC estimate): refitted.
+    del report["recipe"]["report_format"]
+    (out / "critic_fit.json").write_text(json.dumps(report))
+    assert main(fit_args(tiny_model, out)) == 0
+    assert "reusing" not in capfd.readouterr().out
+    assert json.loads((out / "critic_fit.json").read_text())["recipe"]["report_format"] >= 2
 
     batch = Batch.of(fixed_batch())
     fitted = values(Critic(str(tiny_model), torch.float32, init=str(out)), batch)

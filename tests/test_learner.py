@@ -28,7 +28,7 @@ from test_data import make_segment
 from transformers import AutoModelForCausalLM
 
 from actors.engines import SamplingParams, make_engine
-from common.config import load_config
+from common.config import ConfigError, load_config
 from common.metrics import Health
 from common.model import load_causal_lm, state_dict_for_export
 from common.trajectory import Segment
@@ -530,6 +530,32 @@ def test_an_ev_gated_warmup_starts_the_policy_once_the_critic_fits_fresh_batches
     learner.save_checkpoint()
     resumed = new_learner(*overrides, run_dir=tmp_path / "gated", resume="require")
     assert resumed.steps.policy_started and resumed.step < 60
+
+
+def test_critic_replay_cycles_its_updates_through_the_last_batches(new_learner, tiny_model):
+    """Update j of the critic trains on the j-th newest batch of the window, this step's first;
+    without replay every update sees this step's batch."""
+    episodes = fixed_batch()
+    batches = [on_policy(b, tiny_model) for b in (episodes[:1], episodes[1:3], episodes[3:4])]
+    for replay, expected in (
+        (2, [[0, 0, 0], [1, 0, 1], [2, 1, 2]]),
+        (1, [[0] * 3, [1] * 3, [2] * 3]),
+    ):
+        learner = new_learner("learner.critic_updates=3", f"learner.critic_replay={replay}")
+        fit, seen = learner.steps._critic_loss, []
+        learner.steps._critic_loss = lambda step, rows, fit=fit, seen=seen: (
+            seen.append(step.batch) or fit(step, rows)
+        )
+        for batch in batches:
+            learner.train_step(batch)
+        order = list({id(b): b for b in seen})  # each step's own batch first appears at that step
+        assert [order.index(id(b)) for b in seen] == sum(expected, [])
+
+
+def test_critic_replay_needs_a_critic_of_its_own():
+    for other in ("learner.critic=shared", "learner.algorithm=grpo"):
+        with pytest.raises(ConfigError, match="learner.critic_replay"):
+            load_config(None, ["learner.critic_replay=2", other])
 
 
 def test_clip_stays_at_clip_start_without_a_horizon():
