@@ -185,7 +185,7 @@ def test_cut_bootstrap_quick(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)
+@pytest.mark.timeout(2800)  # seven arms
 def test_critic_quick(tmp_path):
     report = run_quick("critic", tmp_path)
     for r in report["runs"]:  # each critic scored on held-out episodes at steps 5, 10 and 15
