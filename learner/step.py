@@ -278,7 +278,8 @@ class TrainStep:
         lc, m = self.lc, self.models
         sums = dict.fromkeys(LOSS_TERMS, 0.0)
         grad_norm = 0.0
-        self.critic_window.append(step)
+        if m.critic is not None:
+            self.critic_window.append(step)
         for _ in range(lc.ppo_epochs):
             if m.critic is not None:
                 for j in range(lc.critic_updates):

@@ -548,7 +548,7 @@ def test_critic_replay_cycles_its_updates_through_the_last_batches(new_learner, 
         )
         for batch in batches:
             learner.train_step(batch)
-        order = list({id(b): b for b in seen})  # each step's own batch first appears at that step
+        order = list(dict.fromkeys(map(id, seen)))  # each step's batch first appears at its step
         assert [order.index(id(b)) for b in seen] == sum(expected, [])
 
 
