@@ -4,9 +4,9 @@ Three parts, each with one job: ``Rollouts`` owns the episodes in flight and ste
 engine (continuous batching: every episode at its own turn, a slot refilled the moment its
 episode ends), ``BrokerLink`` talks to the broker, and the loop here joins them. It never waits
 for the learner: permits are granted by the broker (asked for while slots are free), weights are
-pulled when the broker announces a newer version (checked every ``poll_every_tokens`` engine
-steps, so a swap can land in the middle of a turn), and a broker restart is survived by
-reconnecting and saying HELLO again.
+pulled when the broker announces a newer version (checked after every engine step, so a swap can
+land in the middle of a turn), and a broker restart is survived by reconnecting and saying HELLO
+again. Liveness is the link's heartbeat thread: a long engine step is never taken for death.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from common.log import bind_version
 from common.metrics import Health
 from common.model import load_tokenizer
 from common.trajectory import Segment
+from common.transport import TransportError
 
 log = structlog.get_logger()
 
@@ -50,12 +51,21 @@ M_SYNC = Histogram(
     "Seconds to fetch and load a new policy version.",
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
-M_VERSION = Gauge("asyncppo_actor_policy_version", "Policy version loaded in the engine.")
+M_VERSION = Gauge(
+    "asyncppo_actor_policy_version", "Policy version loaded in the engine (-1: none yet)."
+)
+M_VERSION.set(-1)
 M_REFUSED = Counter(
     "asyncppo_actor_weights_refused_total",
     "Published versions the engine could not take (an adapter for another base model, tensors "
     "that do not fit); it kept its weights.",
 )
+M_REFUSED_VERSION = Gauge(
+    "asyncppo_actor_refused_version",
+    "Newest version the engine refused (-1: none). While it is the broker's latest the actor "
+    "starts no episode (permits are granted only at the latest version) and is not ready.",
+)
+M_REFUSED_VERSION.set(-1)
 M_HACKS = Counter(
     "asyncppo_actor_hacks_intercepted_total", "Tool calls intercepted by the reward-hacking guard."
 )
@@ -69,6 +79,7 @@ M_ENV_ERRORS = Counter(
     ["during"],
 )
 PERMIT_RETRY_S = 0.5  # while episodes or sessions are in flight, ask for permits at most this often
+IDLE_S = 0.2  # with nothing to play (no weights, a refused version): look again after this
 
 
 def actor_id(cfg: Config) -> str:
@@ -88,7 +99,8 @@ class Actor:
             cfg,
             self.id,
             self.health,
-            lambda: (self.engine.version, self.held_permits()),
+            version=lambda: self.engine.version,
+            held=self.held_permits,
         )
         if cfg.actor.torch_threads:
             torch.set_num_threads(cfg.actor.torch_threads)
@@ -120,7 +132,6 @@ class Actor:
         self.refused = -1  # the newest version the engine refused: not fetched again
         self.episodes_started = 0
         self.steps = 0
-        self._last_poll = 0.0
         self._next_permits = 0.0  # after a WAIT while busy: when to ask again
         log.info(
             "actor starting",
@@ -136,6 +147,11 @@ class Actor:
         """Whether the broker has a version newer than the engine's that was not refused."""
         return self.link.latest > max(self.engine.version, self.refused)
 
+    def refused_latest(self) -> bool:
+        """Whether the broker's latest version is one this engine refused: no permit can be had
+        (they are granted only at the latest version) until a newer one it can load."""
+        return 0 <= self.link.latest <= self.refused
+
     def sync_weights(self) -> None:
         """Load the newest complete version if it is newer than the engine's. A version the
         engine cannot take is logged, counted and skipped: the actor keeps playing its own."""
@@ -149,7 +165,13 @@ class Actor:
         except ValueError as exc:
             self.refused = manifest["version"]
             M_REFUSED.inc()
-            log.error("weights refused", version=manifest["version"], error=str(exc))
+            M_REFUSED_VERSION.set(self.refused)
+            log.error(
+                "weights refused: this actor finishes its episodes in flight, then waits for a "
+                "version it can load",
+                version=manifest["version"],
+                error=str(exc),
+            )
             return
         M_VERSION.set(manifest["version"])
         M_SYNC.observe(time.monotonic() - t0)
@@ -160,17 +182,6 @@ class Actor:
             bytes=manifest["total_bytes"],
             seconds=round(time.monotonic() - t0, 3),
         )
-
-    def _poll(self) -> None:
-        """Heartbeat (at least as often as WELCOME's ``heartbeat_s`` asks, at most every 0.5 s),
-        and swap to a newer version if there is one, even in the middle of a turn."""
-        now = time.monotonic()
-        if now - self._last_poll < min(0.5, self.link.heartbeat_s):
-            return
-        self._last_poll = now
-        self.link.call("HEARTBEAT", {"version": self.engine.version})
-        if self.behind():
-            self.sync_weights()
 
     def request_permits(self) -> list[dict]:
         """Permits for the free slots, in whole groups. With nothing in flight the broker parks
@@ -184,7 +195,7 @@ class Actor:
 
     def _take_permit(self) -> dict | None:
         """One permit for an agent session, without blocking the sessions already running."""
-        if self.engine.version < 0:
+        if self.engine.version < 0 or self.refused_latest():
             return None
         permits = self._ask_permits(1, 1, wait=False)
         return permits[0] if permits else None
@@ -310,31 +321,42 @@ class Actor:
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         self.link.should_stop = should_stop
-        self.link.register()
-        self.health.ready = True
         try:
-            while not should_stop():
-                if self.agent is not None:
-                    if self.behind():
-                        self.sync_weights()
-                    self.serve()
-                    self._poll()
-                    continue
-                if self.behind() or self.engine.version < 0:
-                    self.sync_weights()
-                    if self.engine.version < 0:
-                        self.health.beat("waiting for weights")
-                        time.sleep(0.2)
-                        continue
-                self.start(self.request_permits())
-                if not self.rollouts:
-                    continue
-                self.health.beat("generating")
-                self.play()
-                if self.steps % self.cfg.actor.poll_every_tokens == 0:
-                    self._poll()
+            self.link.register()
+            self._loop(should_stop)
+        except TransportError as exc:
+            if exc.code != "interrupted":
+                raise
+            log.info("stopping: a request to the broker was abandoned", error=str(exc))
         finally:
             self.close()
+
+    def _loop(self, should_stop: Callable[[], bool]) -> None:
+        """Until told to stop: follow the versions, take permits, play, send."""
+        while not should_stop():
+            # After every engine step: a version the heartbeat thread heard of is fetched and
+            # swapped in at once, also in the middle of a turn.
+            if self.behind() or self.engine.version < 0:
+                self.sync_weights()
+            # Ready while it can play the latest version; a refused one leaves it alive (its
+            # loop runs) but not ready, and it asks for nothing until a newer version.
+            self.health.ready = self.engine.version >= 0 and not self.refused_latest()
+            if self.agent is not None:
+                self.serve()
+                continue
+            if self.health.ready:
+                self.start(self.request_permits())
+            if self.rollouts:
+                self.health.beat("generating")
+                self.play()
+            elif not self.health.ready:
+                self.health.beat(self._idle_reason())
+                time.sleep(IDLE_S)
+
+    def _idle_reason(self) -> str:
+        if self.engine.version < 0 and self.refused < 0:
+            return "waiting for weights"
+        return f"waiting for a version this engine can load (it refused v{self.refused})"
 
     def close(self) -> None:
         if self.server is not None:

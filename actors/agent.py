@@ -77,7 +77,6 @@ class Call:
 
     def answer(self, reply: dict, status: int = 200) -> None:
         self.reply, self.status = reply, status
-        M_REQUESTS.labels(route=self.route, status=str(status)).inc()
         self.done.set()
 
     def fail(self, error: ApiError) -> None:
@@ -440,6 +439,7 @@ class AgentServer:
                 if parts[-2:] == ["v1", "models"]:
                     model = sessions.model
                     self._json(
+                        "models",
                         200,
                         {
                             "object": "list",
@@ -447,43 +447,47 @@ class AgentServer:
                         },
                     )
                 else:
-                    self._json(404, ApiError(404, f"no route GET {self.path}").body())
+                    self._json("none", 404, ApiError(404, f"no route GET {self.path}").body())
 
             def do_POST(self) -> None:
-                try:
-                    length = int(self.headers.get("Content-Length") or 0)
-                    if not 0 <= length <= MAX_BODY_BYTES:
-                        self._json(413, ApiError(413, f"body over {MAX_BODY_BYTES} bytes").body())
-                        return
-                    body = json.loads(self.rfile.read(length) or b"{}")
-                    if not isinstance(body, dict):
-                        raise ValueError("the body must be a JSON object")
-                except (ValueError, UnicodeDecodeError) as exc:
-                    self._json(400, ApiError(400, f"bad JSON body: {exc}").body())
-                    return
                 parts = self.path.strip("/").split("/")
                 if parts == ["v1", "sessions"]:
-                    call = Call("start", None, body)
+                    route, session = "start", None
                 elif len(parts) == 4 and parts[:2] == ["v1", "sessions"] and parts[3] == "end":
-                    call = Call("end", parts[2], body)
+                    route, session = "end", parts[2]
                 elif (
                     len(parts) == 5
                     and parts[0] == "sessions"
                     and parts[2:] == ["v1", "chat", "completions"]
                 ):
-                    call = Call("chat", parts[1], body)
+                    route, session = "chat", parts[1]
                 elif parts == ["v1", "chat", "completions"]:
-                    call = Call("complete", None, body)
+                    route, session = "complete", None
                 else:
-                    self._json(404, ApiError(404, f"no route POST {self.path}").body())
+                    self._json("none", 404, ApiError(404, f"no route POST {self.path}").body())
                     return
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                    if not 0 <= length <= MAX_BODY_BYTES:
+                        error = ApiError(413, f"body over {MAX_BODY_BYTES} bytes")
+                        self._json(route, 413, error.body())
+                        return
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                    if not isinstance(body, dict):
+                        raise ValueError("the body must be a JSON object")
+                except (ValueError, UnicodeDecodeError) as exc:
+                    self._json(route, 400, ApiError(400, f"bad JSON body: {exc}").body())
+                    return
+                call = Call(route, session, body)
                 sessions.calls.put(call)
                 if not call.done.wait(sessions.request_timeout_s + 5):
-                    self._json(504, ApiError(504, "the actor did not answer in time").body())
+                    self._json(route, 504, ApiError(504, "the actor did not answer in time").body())
                     return
-                self._json(call.status, call.reply)
+                self._json(route, call.status, call.reply)
 
-            def _json(self, status: int, body: dict) -> None:
+            def _json(self, route: str, status: int, body: dict) -> None:
+                """Every answer, counted by route and status (malformed requests too)."""
+                M_REQUESTS.labels(route=route, status=str(status)).inc()
                 data = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

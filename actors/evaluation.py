@@ -50,7 +50,10 @@ M_REWARD = Gauge(
     "Held-out mean episode reward of the last evaluated version.",
     ["bucket"],
 )
-M_VERSION = Gauge("asyncppo_eval_policy_version", "Policy version of the last evaluation.")
+M_VERSION = Gauge(
+    "asyncppo_eval_policy_version", "Policy version of the last evaluation (-1: none yet)."
+)
+M_VERSION.set(-1)
 M_RUNS = Counter("asyncppo_eval_runs_total", "Evaluations finished.")
 
 Z95 = 1.959963984540054
@@ -155,10 +158,12 @@ def evaluate(
     *,
     beat: Callable[[str], None] = lambda what: None,
     on_episode: Callable[[Played, Episode], None] = lambda played, ep: None,
-) -> dict[str, Any]:
+    should_stop: Callable[[], bool] = lambda: False,
+) -> dict[str, Any] | None:
     """Play every held-out instance once with the engine's current weights; the scores overall
     and per horizon bucket, and one record per episode. ``on_episode`` sees every episode that
-    ended without an error, with the states it passed through."""
+    ended without an error, with the states it passed through. None when ``should_stop()``
+    ended it early (a partial score would mislead)."""
     t0 = time.monotonic()
 
     def record(played: Played, ep: Episode | None, error: str | None) -> dict[str, Any]:
@@ -179,6 +184,8 @@ def evaluate(
     records: list[dict[str, Any]] = []
     tokens = 0
     while pending or len(rollouts):
+        if should_stop():
+            return None
         while pending and len(rollouts) < cfg.actor.max_inflight_episodes:
             seed, horizon = pending.pop(0)
             try:
@@ -227,14 +234,15 @@ def summary_line(result: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result.items() if k != "records"} | {"time": time.time()}
 
 
-def broker_client(cfg: Config) -> Client:
+def broker_client(cfg: Config, interrupted: Callable[[], bool] = lambda: False) -> Client:
     """A connection for WEIGHTS_INFO/GET, which need no HELLO: the evaluator is not an actor the
-    broker counts."""
+    broker counts, so it holds no lease a long evaluation could lose."""
     return Client(
         Endpoint(cfg.security, cfg.broker.max_message_bytes),
         cfg.actor.broker,
         f"eval-{os.getpid()}",
-        timeout_s=30.0,
+        timeout_s=cfg.actor.broker_timeout_s,
+        interrupted=interrupted,
     )
 
 
@@ -266,7 +274,7 @@ def follow(
 
     Once ``finishing()`` (training is over) it scores the newest version if it has not yet, due
     or not, and returns: a run's final policy is always evaluated."""
-    client = broker_client(cfg)
+    client = broker_client(cfg, should_stop)
     instances = held_out_instances(cfg, cfg.eval.episodes)
     every, last = max(cfg.eval.every_versions, 1), None
     health.ready = True
@@ -298,7 +306,11 @@ def follow(
                 last = fetched[0]["version"]
                 continue
             bind_version(engine.version)
-            result = evaluate(cfg, engine, fmt, instances, beat=health.beat)
+            result = evaluate(
+                cfg, engine, fmt, instances, beat=health.beat, should_stop=should_stop
+            )
+            if result is None:
+                return  # stopped in the middle: nothing to report
             last = engine.version
             with out.open("a") as f:
                 f.write(json.dumps(summary_line(result)) + "\n")

@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 
 from common.config import Config
+from common.heartbeat import Heartbeat
 from common.metrics import Health
 from common.protocol import Message
 from common.retry import call_with_retry
@@ -23,28 +24,38 @@ from common.transport import Client, Endpoint, TransportError
 from common.weights import unpack_state_dict
 
 log = structlog.get_logger()
+HEARTBEAT_EVERY_S = 0.5  # an actor hears of a new version within this (HEARTBEAT_ACK)
 
 
 class BrokerLink:
-    """``state()`` says what a HELLO reports: the engine's version and the permits held."""
+    """``version()`` is the engine's version (HEARTBEAT and HELLO report it, the former from the
+    heartbeat thread), ``held()`` the permits still being played (HELLO reports them)."""
 
     def __init__(
         self,
         cfg: Config,
         actor_id: str,
         health: Health,
-        state: Callable[[], tuple[int, list[str]]],
+        *,
+        version: Callable[[], int],
+        held: Callable[[], list[str]],
     ):
-        self.health, self.state = health, state
+        self.health, self.version, self.held = health, version, held
         self.should_stop: Callable[[], bool] = lambda: False
         self.client = Client(
             Endpoint(cfg.security, cfg.broker.max_message_bytes),
             cfg.actor.broker,
             actor_id,
-            timeout_s=30.0,
+            timeout_s=cfg.actor.broker_timeout_s,
+            interrupted=lambda: self.should_stop(),
         )
         self.latest = -1  # the newest version the broker announced
         self.heartbeat_s = cfg.broker.heartbeat_timeout_s / 3  # until WELCOME says
+        self.heartbeat: Heartbeat | None = None  # from the first WELCOME on
+
+    def _announced(self, reply: Message) -> None:
+        if "latest_version" in reply.header:
+            self.latest = reply.header["latest_version"]
 
     def call(self, kind: str, header: dict | None = None, tensors: dict | None = None) -> Message:
         """A request that survives broker restarts: retry with backoff, re-HELLO when forgotten."""
@@ -55,8 +66,7 @@ class BrokerLink:
             health=self.health,
             prepare=lambda exc: self.hello() if exc.code == "unknown_actor" else None,
         )
-        if "latest_version" in reply.header:
-            self.latest = reply.header["latest_version"]
+        self._announced(reply)
         return reply
 
     def _welcome(self, reply: Message) -> None:
@@ -72,13 +82,19 @@ class BrokerLink:
         )
 
     def _hello_header(self) -> dict[str, Any]:
-        version, held = self.state()
-        return {"role": "actor", "version": version, "held_permits": held}
+        return {"role": "actor", "version": self.version(), "held_permits": self.held()}
 
     def register(self) -> None:
         """The first HELLO, retried until the broker takes it (``id_taken`` waits out the lease
-        of a previous process under this id)."""
+        of a previous process under this id); then the heartbeat thread starts."""
         self._welcome(self.call("HELLO", self._hello_header()))
+        # Liveness and news of versions from its own thread, whatever the loop is busy with.
+        self.heartbeat = Heartbeat(
+            self.client,
+            lambda: min(HEARTBEAT_EVERY_S, self.heartbeat_s),
+            header=lambda: {"version": self.version()},
+            on_reply=self._announced,
+        ).start()
 
     def hello(self) -> None:
         """Register again (the broker restarted, or reaped us); a failure is retried by the
@@ -114,8 +130,10 @@ class BrokerLink:
         return fetched
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         with contextlib.suppress(TransportError):  # a gone broker reclaims by heartbeat timeout
-            self.client.request("BYE", timeout_s=1.0)
+            self.client.request("BYE", timeout_s=1.0, interruptible=False)
         self.client.close()
 
 

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from common.lifecycle import spawn
 from common.transport import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -340,9 +341,7 @@ def launch(run: Run, experiment: str) -> Result:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
     with open(run_dir / "up.log", "wb") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        proc = spawn(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             # the cap plus time for startup and an orderly shutdown
             code = proc.wait(timeout=run.wall_s + 180)

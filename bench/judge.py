@@ -20,7 +20,6 @@ import contextlib
 import json
 import platform
 import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -29,6 +28,7 @@ from pathlib import Path
 
 from actors.envs.guard import check_action
 from actors.envs.judge import LLMJudge
+from common.lifecycle import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ROOT / "bench" / "data" / "guard_cases.json"
@@ -76,8 +76,8 @@ def served(model_path: str, name: str) -> Iterator[str]:
     common = ["--set", f"model.path={model_path}", "--set", "model.builtin=null"]
     cli = [sys.executable, "-m", "deploy.cli"]
     procs = [
-        subprocess.Popen(cli + ["broker", "--set", f"broker.bind={endpoint}"] + common, cwd=ROOT),
-        subprocess.Popen(
+        spawn(cli + ["broker", "--set", f"broker.bind={endpoint}"] + common, cwd=ROOT),
+        spawn(
             cli
             + ["actor", "--set", f"actor.broker={endpoint}", "--set", "actor.mode=agent"]
             + ["--set", f"actor.agent_port={api}", "--set", f"actor.agent_model={name}"]

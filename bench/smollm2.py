@@ -37,6 +37,7 @@ from actors.envs import make_env
 from actors.episode import ChatFormat, Episode
 from bench.engine import measure  # TorchEngine and HF generate on one batch, alternating
 from common.config import Config, load_config
+from common.lifecycle import spawn
 from common.trajectory import Segment
 from common.transport import free_port
 
@@ -135,7 +136,7 @@ def bench_push(cfg: Config, actor_counts: tuple[int, ...]) -> list[dict]:
     """A broker process; the real learner publishes, then N real actors sync, each in a thread."""
     from learner.trainer import Learner
 
-    broker = subprocess.Popen(
+    broker = spawn(
         [
             sys.executable,
             "-m",

@@ -31,6 +31,7 @@ from typing import Any
 import psutil
 
 from common.config import load_config
+from common.lifecycle import spawn
 from common.transport import Client, Endpoint, TransportError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,9 +168,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         *(a for o in overrides for a in ("--set", o)),
     ]
     with open(run_dir / "soak-up.log", "wb") as log:
-        up = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        up = spawn(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     client = Client(
         Endpoint(cfg.security, cfg.broker.max_message_bytes),
         cfg.learner.broker,

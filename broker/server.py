@@ -265,14 +265,17 @@ class Broker:
         """Role and identity checks (docs/protocol.md §4), then the kind's handler."""
         client, now = msg.header["id"], time.monotonic()
         self.registry.touch(client, conn, now)
-        if msg.kind in LEARNER_KINDS and not self.registry.is_learner(client, conn):
+        learner = self.registry.is_learner(client, conn)
+        if msg.kind in LEARNER_KINDS and not learner:
             raise ProtocolError(
                 "not_learner",
                 "id",
                 f"{client!r} is not the registered learner on this connection; send HELLO",
                 retryable=True,
             )
-        if msg.kind in ACTOR_KINDS or (msg.kind == "BYE" and client in self.registry.actors):
+        if (msg.kind in ACTOR_KINDS and not (msg.kind == "HEARTBEAT" and learner)) or (
+            msg.kind == "BYE" and client in self.registry.actors
+        ):
             self.registry.check_actor(client, conn)
         if msg.kind == "HELLO":
             return self._on_hello(msg, conn, now)
@@ -368,7 +371,9 @@ class Broker:
         )
 
     def _on_heartbeat(self, msg: Message) -> list:
-        self.registry.report(msg.header["id"], msg.header["version"])
+        """Liveness (the dispatch refreshed it); an actor's engine version is recorded."""
+        if msg.header["id"] in self.registry.actors:
+            self.registry.report(msg.header["id"], msg.header["version"])
         return self._reply(msg, "HEARTBEAT_ACK", {"latest_version": self.weights.latest_version})
 
     def _on_bye(self, msg: Message) -> list:

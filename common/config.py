@@ -114,6 +114,12 @@ class BrokerConfig:
 @dataclass
 class ActorConfig:
     broker: str = param("tcp://127.0.0.1:5555", "Broker endpoint this actor connects to.")
+    broker_timeout_s: float = param(
+        30.0,
+        "Seconds the actor waits for a broker reply before it presumes the broker restarted, "
+        "reopens its socket and retries.",
+        above=0,
+    )
     id: str | None = param(
         None, "Actor id; default: hostname-pid (env ASYNCPPO_ACTOR_ID also sets it)."
     )
@@ -181,12 +187,6 @@ class ActorConfig:
     context_budget_tokens: int = param(
         512,
         "When the context passes this many tokens the environment compacts and a new segment starts.",
-    )
-    poll_every_tokens: int = param(
-        16,
-        "Heartbeat and check for new weights every this many engine steps (one token for every "
-        "episode in flight), at most every 0.5 s: weights may change in the middle of a turn.",
-        minimum=1,
     )
     torch_threads: int = param(
         0,

@@ -28,6 +28,10 @@ class Health:
         if waiting_for is not None:
             self.waiting_for = waiting_for
 
+    def stalled(self) -> bool:
+        """No beat for ``stall_s``: the loop is stuck (or too slow to count as working)."""
+        return time.monotonic() - self._last >= self.stall_s
+
     def status(self) -> tuple[bool, dict]:
         idle = time.monotonic() - self._last
         alive = idle < self.stall_s

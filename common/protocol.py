@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTO = 1
+PROTO = 2  # docs/protocol.md, Changelog: what each version changed
 
 # Frame dtypes are numpy dtype strings, little-endian only, so every client can read them.
 FRAME_DTYPES = {"<i4", "<i8", "|u1", "<f4", "<f2", "<u2", "|b1"}
@@ -51,6 +51,9 @@ class ProtocolError(ValueError):
         self.detail = message
         self.retryable = retryable
         self.req = 0  # the request number, when the header was readable: the ERROR reply echoes it
+        # The version the ERROR reply is encoded in: a client of an earlier version gets its
+        # bad_proto answer in a message it can still decode.
+        self.proto = PROTO
 
 
 @dataclass
@@ -154,9 +157,11 @@ def encode(
     kind: str,
     header: dict[str, Any] | None = None,
     tensors: dict[str, np.ndarray | Forward] | None = None,
+    *,
+    proto: int = PROTO,
 ) -> list:
     """Header + tensors -> frames. Arrays are sent as their own buffers (zero-copy with ``copy=False``)."""
-    head = {"proto": PROTO, "kind": kind, **(header or {})}
+    head = {"proto": proto, "kind": kind, **(header or {})}
     frames: list = [None]
     if tensors:
         descs = {}
@@ -245,7 +250,15 @@ def _validate(
 ) -> Message:
     proto = head.get("proto")
     if not is_int(proto) or proto != PROTO:
-        raise ProtocolError("bad_proto", "proto", f"expected the int {PROTO}, got {show(proto)}")
+        exc = ProtocolError(
+            "bad_proto",
+            "proto",
+            f"this side speaks asyncppo protocol version {PROTO}, the message says "
+            f"{show(proto)} (docs/protocol.md, Changelog: what changed between versions)",
+        )
+        if is_int(proto) and 1 <= proto < PROTO:
+            exc.proto = proto
+        raise exc
     kind = head.get("kind")
     if (
         not isinstance(kind, str)
@@ -379,7 +392,8 @@ def _decode_tensors(
 
 
 def error_frames(exc: ProtocolError, req: int = 0) -> list:
-    """The ERROR reply to a rejected message."""
+    """The ERROR reply to a rejected message, in the protocol version ``exc`` names (the ERROR's
+    fields are the same in every version)."""
     return encode(
         "ERROR",
         {
@@ -389,4 +403,5 @@ def error_frames(exc: ProtocolError, req: int = 0) -> list:
             "message": exc.detail,
             "retryable": exc.retryable,
         },
+        proto=exc.proto,
     )

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import secrets
 import socket
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -175,15 +177,32 @@ class Client:
     Reopening (the "lazy pirate" pattern) discards replies to abandoned requests. The socket
     keeps its routing id, so the broker still knows the connection as the one that registered
     this client's id (docs/protocol.md, Identity).
+
+    Two threads may use one client: each request (or pipeline) holds the client's lock from its
+    first send to its last reply, so a ``Heartbeat`` thread shares the connection, and the
+    identity bound to it, with the role's loop. Once ``interrupted()`` (a role's stop flag), a
+    wait lasts at most ``STOPPING_S`` more: a live broker still answers what is in flight (the
+    learner's last version gets published), one that is gone does not hold a stopping role up.
     """
 
+    POLL_S = 0.1  # how often a wait looks at interrupted()
+    STOPPING_S = 2.0
+
     def __init__(
-        self, endpoint: Endpoint, connect: str, client_id: str, *, timeout_s: float = 10.0
+        self,
+        endpoint: Endpoint,
+        connect: str,
+        client_id: str,
+        *,
+        timeout_s: float = 10.0,
+        interrupted: Callable[[], bool] = lambda: False,
     ):
         self.endpoint = endpoint
         self.connect = connect
         self.client_id = client_id
         self.timeout_s = timeout_s
+        self.interrupted = interrupted
+        self.lock = threading.Lock()
         self._req = 0
         self.routing_id = new_routing_id()  # kept across reopen: the broker binds our id to it
         self.sock = self._open()
@@ -213,21 +232,38 @@ class Client:
             raise TransportError(f"{kind}: could not send to {self.connect} in time") from None
         return self._req
 
-    def recv_reply(self, kind: str, wanted: set[int], deadline: float) -> Message:
+    def recv_reply(
+        self, kind: str, wanted: set[int], deadline: float, *, interruptible: bool = True
+    ) -> Message:
         """The next reply whose req is in ``wanted``; replies to abandoned requests are skipped."""
+        stopping = False
         while True:
+            if interruptible and not stopping and self.interrupted():
+                stopping, deadline = True, min(deadline, time.monotonic() + self.STOPPING_S)
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.sock.poll(max(1, int(remaining * 1000))):
-                if time.monotonic() < deadline:
-                    continue
-                self.reopen()
+            if remaining <= 0:
+                self.reopen()  # a reply still on its way must not be read as another's
+                if stopping:
+                    raise TransportError(
+                        f"{kind}: no reply from {self.connect} while stopping",
+                        code="interrupted",
+                        retryable=False,
+                    )
                 raise TransportError(f"{kind}: no reply from {self.connect} in time")
+            if not self.sock.poll(max(1, int(min(remaining, self.POLL_S) * 1000))):
+                continue
             frames = self.sock.recv_multipart(copy=False)
             try:
                 msg = decode(frames, max_bytes=self.endpoint.max_message_bytes)
             except ProtocolError as exc:
+                if exc.code == "bad_proto":  # another release of the broker: retrying cannot help
+                    raise TransportError(
+                        f"{kind}: the broker at {self.connect} speaks another protocol: {exc}",
+                        code="bad_proto",
+                        retryable=False,
+                    ) from None
                 raise TransportError(
-                    f"{kind}: bad reply from broker: {exc}", code="bad_reply"
+                    f"{kind}: bad reply from {self.connect}: {exc}", code="bad_reply"
                 ) from None
             if msg.req not in wanted:
                 continue
@@ -247,12 +283,14 @@ class Client:
         tensors: dict[str, np.ndarray] | None = None,
         *,
         timeout_s: float | None = None,
+        interruptible: bool = True,
     ) -> Message:
-        """Send one request and wait for its reply. ERROR replies raise TransportError."""
-        req = self.send_request(kind, header, tensors)
-        return self.recv_reply(
-            kind, {req}, time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        )
+        """Send one request and wait for its reply. ERROR replies raise TransportError, and so
+        does ``interrupted()`` while it waits (unless not ``interruptible``: a farewell BYE)."""
+        with self.lock:
+            req = self.send_request(kind, header, tensors)
+            deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+            return self.recv_reply(kind, {req}, deadline, interruptible=interruptible)
 
     def pipeline(
         self,
@@ -266,19 +304,21 @@ class Client:
         replies: dict[int, Message] = {}
         order: list[int] = []
         in_flight: set[int] = set()
-        for i, header in enumerate(headers):
-            if len(in_flight) >= window:
+        with self.lock:
+            for i, header in enumerate(headers):
+                if len(in_flight) >= window:
+                    msg = self.recv_reply(kind, in_flight, time.monotonic() + self.timeout_s)
+                    in_flight.discard(msg.req)
+                    replies[msg.req] = msg
+                req = self.send_request(kind, header, tensors[i] if tensors else None)
+                order.append(req)
+                in_flight.add(req)
+            while in_flight:
                 msg = self.recv_reply(kind, in_flight, time.monotonic() + self.timeout_s)
                 in_flight.discard(msg.req)
                 replies[msg.req] = msg
-            req = self.send_request(kind, header, tensors[i] if tensors else None)
-            order.append(req)
-            in_flight.add(req)
-        while in_flight:
-            msg = self.recv_reply(kind, in_flight, time.monotonic() + self.timeout_s)
-            in_flight.discard(msg.req)
-            replies[msg.req] = msg
         return [replies[r] for r in order]
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        with self.lock:
+            self.sock.close(linger=0)

@@ -163,9 +163,28 @@ def _signal_flag(*signums: int) -> Any:
     return lambda: raised["flag"]
 
 
-def _stop_flag() -> Any:
-    """SIGTERM/SIGINT: the role finishes what it does, then exits."""
-    return _signal_flag(signal.SIGTERM, signal.SIGINT)
+def _stop_flag(health: Any) -> Any:
+    """SIGTERM/SIGINT: the role finishes what it does, then exits; one that then makes no
+    progress for run.stall_timeout_s exits anyway (``common.lifecycle``)."""
+    from common.lifecycle import StopFlag
+
+    return StopFlag(health)
+
+
+def _client_role(role: str, run: Any) -> int:
+    """Run a broker client's loop; a broker of another protocol version ends it with one line,
+    a stop signal that abandoned a request ends it cleanly."""
+    from common.transport import TransportError
+
+    try:
+        run()
+    except TransportError as exc:
+        if exc.code == "bad_proto":
+            print(f"asyncppo {role}: {exc}", file=sys.stderr)
+            return 2
+        if exc.code != "interrupted":
+            raise
+    return 0
 
 
 def prepare(name: str, out: str) -> int:
@@ -236,8 +255,8 @@ def run_eval(cfg: Any, args: argparse.Namespace) -> int:
         return 2
     if args.follow:
         out = Path(cfg.run.out_dir) / "eval.jsonl"
-        follow(cfg, engine, fmt, health, _stop_flag(), out, finishing)
-        return 0
+        stop = _stop_flag(health)
+        return _client_role("eval", lambda: follow(cfg, engine, fmt, health, stop, out, finishing))
     if args.broker and not fetch_version(cfg, engine):
         print(f"asyncppo eval: broker {cfg.actor.broker} holds no weights", file=sys.stderr)
         return 1
@@ -351,12 +370,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if args.command in ("up", "actor", "eval", "critic"):
-        from actors.envs import make_env
+        from actors.envs import EnvConfigError, make_env
 
-        try:  # before any process starts: a bad actor.env is a config error, named
+        try:  # before any process starts: a bad actor.env or env_kwargs is a config error, named
             make_env(cfg.actor.env, **cfg.actor.env_kwargs)
-        except (ValueError, TypeError) as exc:
-            print(f"asyncppo {args.command}: actor.env: {exc}", file=sys.stderr)
+        except EnvConfigError as exc:
+            print(f"asyncppo {args.command}: {exc}", file=sys.stderr)
             return 2
     Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
     if args.command == "up":
@@ -372,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:  # key files, allow-lists, bind address, spool dir
             print(f"asyncppo broker: {exc}", file=sys.stderr)
             return 2
-        broker.run(_stop_flag())
+        broker.run(_stop_flag(health))
         return 0
     from common.model import ensure_model
 
@@ -385,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         from actors.actor import Actor, actor_id
 
         _, health = _serve_role("actor", args, cfg, actor_id=actor_id(cfg))
-        Actor(cfg, health).run(_stop_flag())
-        return 0
+        stop = _stop_flag(health)
+        return _client_role("actor", lambda: Actor(cfg, health).run(stop))
     if args.command == "eval":
         return run_eval(cfg, args)
     if args.command == "critic":
@@ -403,10 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"asyncppo learner: {exc}", file=sys.stderr)
         return 2
     try:
-        learner.run()
+        return _client_role("learner", lambda: learner.run(_stop_flag(health)))
     finally:
         learner.close()
-    return 0
 
 
 if __name__ == "__main__":

@@ -16,11 +16,13 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from common.config import Config
+from common.lifecycle import spawn
 from common.transport import Client, Endpoint, TransportError
 
 STOP_TIMEOUT_S = 30.0
@@ -43,6 +45,7 @@ class Launcher:
         self.target = args.actors if args.actors is not None else cfg.run.num_actors
         (self.run_dir / "actors.target").write_text(f"{self.target}\n")
         self.stopping = False
+        self.ended_by: str | None = None  # why the watch ended early, when it did
 
     def _spawn(self, role: str, name: str, extra: list[str]) -> subprocess.Popen:
         port = self._port(role)
@@ -52,10 +55,8 @@ class Launcher:
             + (["--metrics-port", str(port)] if port else [])
         )
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "ASYNCPPO_ACTOR_ID": name}
-        with open(self.logs / f"{name}.log", "ab") as out:
-            return subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+        with open(self.logs / f"{name}.log", "ab") as out:  # dies with the launcher, however
+            return spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def _port(self, role: str) -> int | None:
         base = self.cfg.run.metrics_base_port
@@ -177,16 +178,17 @@ class Launcher:
             flush=True,
         )
 
-    def watch(self) -> int:
-        """Until the learner exits, a deadline passes or we are told to stop."""
+    def watch(self) -> str | None:
+        """Until the learner exits, a deadline passes or we are told to stop; why the run
+        failed, or None (``outcome`` then judges it by the steps done)."""
         t0 = time.monotonic()
         last_print = 0.0
+        learner_port = self._port("learner")
         while not self.stopping:
             if self.learner.poll() is not None:
                 break
             if self.broker.poll() is not None:
-                print("[up] broker exited unexpectedly", file=sys.stderr, flush=True)
-                return 1
+                return f"the broker exited with status {self.broker.returncode} (logs/broker.log)"
             for name, proc in list(self.actors.items()):
                 if proc.poll() is not None:  # an actor died: replace it, as a Deployment would
                     print(f"[up] {name} exited with {proc.returncode}; replacing it", flush=True)
@@ -197,13 +199,24 @@ class Launcher:
                 self.scale_to(target)
             if self.cfg.run.max_wall_s and time.monotonic() - t0 > self.cfg.run.max_wall_s:
                 print("[up] run.max_wall_s reached", flush=True)
+                self.ended_by = f"run.max_wall_s ({self.cfg.run.max_wall_s:g} s) reached"
                 break
+            if learner_port and (stalled := stall(self.cfg.run.metrics_host, learner_port)):
+                return f"the learner stalled: no progress for run.stall_timeout_s ({stalled})"
             if time.monotonic() - last_print > 5:
                 self.progress(t0)
                 last_print = time.monotonic()
             time.sleep(0.2)
         self.progress(t0)
-        return 0 if self.learner.poll() in (0, None) else 1
+        if self.learner.poll() not in (0, None):
+            return f"the learner exited with status {self.learner.returncode} (logs/learner.log)"
+        return None
+
+    def outcome(self, failure: str | None) -> tuple[int, str]:
+        steps = self.steps()
+        ended = self.ended_by or ("stopped" if self.stopping else "the learner exited")
+        done = steps[-1]["step"] + 1 if steps else 0
+        return run_outcome(failure, ended, done, self.cfg.learner.total_steps)
 
     def shutdown(self) -> dict[str, Any]:
         learner_completed = self.learner.poll() == 0  # exited on its own: total_steps done
@@ -249,6 +262,20 @@ class Launcher:
         }
 
 
+def run_outcome(failure: str | None, ended: str, done: int, total: int) -> tuple[int, str]:
+    """`up`'s exit status and the line that says why. 0 only for a run that trained what it was
+    asked: ``total`` steps, or with ``total`` 0 (run until stopped) at least one step; else 1,
+    whether a role failed (``failure``) or the run ``ended`` early (wall clock, a signal)."""
+    of = f"{done} of {total or '∞'} steps"
+    if failure is not None:
+        return 1, f"failed after {of}: {failure}"
+    if total and done >= total:
+        return 0, f"done: {of}"
+    if not total and done:
+        return 0, f"{ended} after {done} steps (learner.total_steps 0: run until stopped)"
+    return 1, f"incomplete: {ended} after {of}"
+
+
 def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -269,6 +296,22 @@ def healthy(host: str, port: int) -> bool:
             return reply.status == 200
     except OSError:  # refused, 503 (HTTPError), timed out
         return False
+
+
+def stall(host: str, port: int) -> str | None:
+    """What a role whose /healthz answers 503 waits for; None while it is alive or not serving."""
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=2):
+            return None
+    except urllib.error.HTTPError as exc:
+        if exc.code != 503:
+            return None
+        try:
+            return f"waiting for {json.loads(exc.read())['waiting_for']}"
+        except (ValueError, KeyError, TypeError):
+            return "no reason given"
+    except OSError:  # not serving (yet), timed out
+        return None
 
 
 def stop(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:
@@ -301,12 +344,14 @@ def launch(cfg: Config, args: argparse.Namespace) -> int:
     print(f"[up] run dir {launcher.run_dir} (logs in {launcher.logs})", flush=True)
     launcher.start()
     try:
-        code = launcher.watch()
+        failure = launcher.watch()
     finally:
         stats = launcher.shutdown()
-    summary = launcher.summary(stats, time.monotonic() - t0)
+    code, why = launcher.outcome(failure)
+    summary = launcher.summary(stats, time.monotonic() - t0) | {"exit": code, "outcome": why}
     print("[up] summary " + json.dumps(summary), flush=True)
     if args.summary:
         Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
         Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"[up] {why}", file=sys.stderr if code else sys.stdout, flush=True)
     return code

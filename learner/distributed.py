@@ -14,9 +14,17 @@ from common.transport import free_port
 
 
 def init_distributed() -> tuple[int, int]:
-    """Rank and world size; a single process outside a launcher gets the env DeepSpeed needs."""
-    import deepspeed
+    """Rank and world size; a single process outside a launcher gets the env DeepSpeed needs.
 
+    On CPU, DeepSpeed's comm backend builds its shared-memory *inference* all-reduce, a C++ op
+    JIT-compiled at the first start (40 s alone, minutes on a busy machine, once per install
+    path) that training never calls (``inference_all_reduce`` only). Marked incompatible, it is
+    not built: a fresh machine's first learner compiles nothing.
+    """
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if "RANK" not in os.environ:
         os.environ.update(
             RANK="0",

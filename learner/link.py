@@ -20,6 +20,7 @@ import torch
 from prometheus_client import Counter
 
 from common.config import Config
+from common.heartbeat import Heartbeat
 from common.metrics import Health
 from common.protocol import Message, decode, encode
 from common.retry import Backoff, call_with_retry
@@ -55,8 +56,13 @@ class BrokerLink:
             cfg.learner.broker,
             f"learner-{socket.gethostname()}-{os.getpid()}",
             timeout_s=cfg.learner.broker_timeout_s,
+            interrupted=should_stop,
         )
-        self.version = 0  # the version the learner trains (its HELLO says so)
+        self.version = 0  # the version the learner trains (its HELLO and HEARTBEAT say so)
+        # A long optimiser step or checkpoint must not cost the learner its role's lease: a
+        # heartbeat thread from the first WELCOME on.
+        self.heartbeat_s = cfg.broker.heartbeat_timeout_s / 3  # until WELCOME says
+        self.heartbeat: Heartbeat | None = None
         # The last published (manifest, chunks), one host copy of the policy: a broker that lost
         # it (restarted without a spool) gets the current weights again.
         self.published: tuple[dict, list[memoryview]] | None = None
@@ -69,7 +75,9 @@ class BrokerLink:
             "batch_size": self.lc.batch_size,
             "publish_every": self.lc.publish_every,
         }
-        return self.client.request("HELLO", header).header["latest_version"]
+        welcome = self.client.request("HELLO", header).header
+        self.heartbeat_s = welcome["heartbeat_s"]
+        return welcome["latest_version"]
 
     def _rehello(self, exc: TransportError) -> None:
         if exc.code == "not_learner":  # the broker restarted, or the role lapsed
@@ -98,14 +106,20 @@ class BrokerLink:
         )
 
     def hello(self, version: int) -> int:
-        """Register as the learner (retrying); the broker's newest complete version."""
+        """Register as the learner (retrying), then keep the role's lease from the heartbeat
+        thread; the broker's newest complete version."""
         self.version = version
-        return call_with_retry(
+        latest = call_with_retry(
             self._hello_once,
             what="HELLO",
             should_stop=self.should_stop,
             health=self.health,
         )
+        if self.heartbeat is None:
+            self.heartbeat = Heartbeat(
+                self.client, lambda: self.heartbeat_s, header=lambda: {"version": self.version}
+            ).start()
+        return latest
 
     def publish(self, manifest: dict, chunks: list[memoryview]) -> None:
         """PUBLISH_BEGIN, the chunks (pipelined, a liveness beat between groups), PUBLISH_COMMIT.
@@ -167,6 +181,8 @@ class BrokerLink:
             M_IDLE.inc(time.monotonic() - t0)
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.client.close()
 
 

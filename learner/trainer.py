@@ -20,8 +20,8 @@ holds what is around them: DeepSpeed engines, the broker link, publishing and ch
 from __future__ import annotations
 
 import json
-import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,10 @@ M_STALE = Histogram(
 M_LAST = Gauge(
     "asyncppo_learner_last_step_timestamp_seconds", "Unix time of the last finished step."
 )
-M_VERSION = Gauge("asyncppo_learner_policy_version", "Policy version the learner trains.")
+M_VERSION = Gauge(
+    "asyncppo_learner_policy_version", "Policy version the learner trains (-1: none published yet)."
+)
+M_VERSION.set(-1)
 GAUGES = {
     name: Gauge(f"asyncppo_learner_{name}", doc)
     for name, doc in {
@@ -147,9 +150,10 @@ class Learner:
         self.ckpt_dir = Path(self.lc.checkpoint_dir or self.run_dir / "checkpoints")
         if resume is not None:
             self._load_checkpoint(resume)
-        self._stop = False
+        self._stop = False  # agreed by every rank (``_stop_agreed``), or set by a test
+        self._requested: Callable[[], bool] = lambda: False  # this rank was told to stop
         # Rank 0's batches in, versions out: the only part of the learner that speaks the protocol.
-        self.link = BrokerLink(cfg, self.health, lambda: self._stop) if self.rank == 0 else None
+        self.link = BrokerLink(cfg, self.health, self.stopping) if self.rank == 0 else None
         if self.rank == 0:
             self.steps_log = open(self.run_dir / "learner_steps.jsonl", "a")  # noqa: SIM115 (kept open)
         log.info(
@@ -348,13 +352,14 @@ class Learner:
         )
 
     # --------------------------------------------------------------- loop
-    def run(self) -> None:
-        def on_sigterm(signum: int, frame: Any) -> None:
-            self._stop = True
-            log.warning("signal received: checkpointing after this step", signal=signum)
+    def stopping(self) -> bool:
+        """Whether this rank is to stop: it checkpoints after the step it is in, and no wait on
+        the broker holds it up."""
+        return self._stop or self._requested()
 
-        signal.signal(signal.SIGTERM, on_sigterm)
-        signal.signal(signal.SIGINT, on_sigterm)
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Train until ``total_steps`` or ``should_stop()`` (SIGTERM: ``common.lifecycle``)."""
+        self._requested = should_stop
         self.connect()
         while not self._stop_agreed() and (
             self.lc.total_steps == 0 or self.step < self.lc.total_steps
@@ -380,7 +385,7 @@ class Learner:
     def _stop_agreed(self) -> bool:
         """Whether any rank was signalled, all-reduced (max) at the step boundary: every rank stops
         after the same step, so none checkpoints while another waits in a collective."""
-        if any_rank(self._stop, self.device):
+        if any_rank(self.stopping(), self.device):
             self._stop = True  # set, never cleared: a signal landing during the all-reduce stays
         return self._stop
 

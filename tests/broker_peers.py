@@ -18,10 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import numpy as np
 
 from common.config import BrokerConfig, SecurityConfig
-from common.protocol import Message, decode
+from common.lifecycle import spawn
+from common.protocol import PROTO, Message, ProtocolError, decode
 from common.trajectory import ARRAYS, Segment
 from common.transport import Client, Endpoint, TransportError, free_port, send
 from common.weights import pack_state_dict
@@ -65,12 +67,11 @@ class BrokerProcess:
             arg for key, value in self.settings.items() for arg in ("--set", f"{key}={value}")
         ]
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
+            self.proc = spawn(
                 [sys.executable, "-m", "deploy.cli", "broker", *overrides],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,
-                start_new_session=True,
             )
         probe = Peer(self.address, "probe", security=self.security, timeout_s=1.0)
         deadline = time.monotonic() + timeout_s
@@ -250,7 +251,15 @@ class Peer:
         if not self.client.sock.poll(int(timeout_s * 1000)):
             self.client.reopen()  # a late reply must not be taken for the next request's
             return None
-        return decode(self.client.sock.recv_multipart(copy=False))
+        reply = self.client.sock.recv_multipart(copy=False)
+        try:
+            return decode(reply)
+        except ProtocolError as exc:  # the answer to a message of an earlier protocol version
+            if exc.code != "bad_proto":
+                raise
+            header = msgpack.unpackb(reply[0].bytes)
+            assert header["proto"] < PROTO and header["kind"] == "ERROR", header
+            return Message(header["kind"], header)
 
     def close(self) -> None:
         self.client.close()

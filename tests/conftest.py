@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from common.lifecycle import spawn
 from common.transport import free_port  # noqa: F401 (tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,13 +46,12 @@ class Procs:
         out = open(log, "ab")  # noqa: SIM115 (owned by the process)
         inherited = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
         env = {**inherited, "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
-        proc = subprocess.Popen(
+        proc = spawn(
             [sys.executable, *launcher, "-m", "deploy.cli", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
             env=env,
-            start_new_session=True,
             **kw,
         )
         self.procs.append(proc)

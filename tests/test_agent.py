@@ -4,6 +4,7 @@ OpenAI-compatible API, with a real broker; the trained segments checked token fo
 from __future__ import annotations
 
 import asyncio
+import http.client as http_client
 import importlib.util
 import json
 import subprocess
@@ -19,11 +20,13 @@ import openai
 import pytest
 from broker_peers import ScriptedLearner
 from conftest import ROOT, free_port, smoke_args
+from prometheus_client import REGISTRY
 from test_broker import start_broker, wait_until  # noqa: F401  (the fixture)
 from test_engine import reference_logprobs
 
 from actors.actor import Actor
 from common.config import load_config
+from common.lifecycle import spawn
 from common.model import load_causal_lm, load_tokenizer, state_dict_for_export
 from common.weights import pack_state_dict
 
@@ -201,10 +204,26 @@ def test_bad_requests_get_openai_errors_and_the_actor_serves_on(agent_actor) -> 
         f"{actor.server.address}/v1/sessions/{session['id']}/end", {"reward": "high"}
     )
     assert status == 400 and reply["error"]["param"] == "reward"
-    request = urllib.request.Request(f"{actor.server.address}/v1/sessions", b"{not json")
-    with pytest.raises(urllib.error.HTTPError) as http:
-        urllib.request.urlopen(request, timeout=30)
-    assert http.value.code == 400
+
+    # Bodies that cannot be parsed are answered and counted like every other request.
+    def counted(status: str) -> float:
+        labels = {"route": "start", "status": status}
+        return REGISTRY.get_sample_value("asyncppo_actor_agent_requests_total", labels) or 0.0
+
+    before = counted("400"), counted("413")
+    for body in (b"{not json", b"\xff\xfe not utf-8", b"[1, 2]"):
+        request = urllib.request.Request(f"{actor.server.address}/v1/sessions", body)
+        with pytest.raises(urllib.error.HTTPError) as http:
+            urllib.request.urlopen(request, timeout=30)
+        assert http.value.code == 400
+    host, port = actor.server.address.removeprefix("http://").split(":")
+    huge = http_client.HTTPConnection(host, int(port), timeout=30)
+    huge.putrequest("POST", "/v1/sessions")
+    huge.putheader("Content-Length", str(1 << 30))
+    huge.endheaders()
+    assert huge.getresponse().status == 413
+    huge.close()
+    assert (counted("400"), counted("413")) == (before[0] + 3, before[1] + 1)
     reply = client.chat.completions.create(model=actor.agent.model, messages=ok)
     assert reply.choices[0].message.role == "assistant"  # still serving after all of that
     end(actor, session, 0.0)
@@ -233,7 +252,7 @@ def test_the_example_agent_trains_end_to_end(tmp_path: Path, tiny_model: Path, p
             return False
 
     wait_until(serving, 120, "the actor's agent API", every_s=0.5)
-    agent = subprocess.Popen(
+    agent = spawn(
         [sys.executable, "examples/calc_agent/agent.py", "--actor", actor, "--model", "tiny"]
         + ["--episodes", "200", "--parallel", "4"],
         cwd=ROOT,

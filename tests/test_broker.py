@@ -39,7 +39,7 @@ from broker_peers import (
 )
 
 from common.config import SecurityConfig
-from common.protocol import encode
+from common.protocol import PROTO, encode
 from common.transport import TransportError
 from common.weights import pack_state_dict
 
@@ -693,7 +693,7 @@ def poke(seg, name: str, index: int, value):
 ACTION, OBSERVATION = 1, 4  # make_segment: token 0 is the prompt, every 4th an observation
 BAD_INPUT = {  # case -> (frames built from a valid segment, expected code, expected field)
     "garbage bytes": (lambda f, s: [b"\xc1\x00garbage"], "bad_header", "frame0"),
-    "wrong proto": (lambda f, s: f.frames(s, proto=2), "bad_proto", "proto"),
+    "a later proto": (lambda f, s: f.frames(s, proto=PROTO + 1), "bad_proto", "proto"),
     "unknown kind": (lambda f, s: f.frames(s, kind="SUBMIT"), "unknown_kind", "kind"),
     "missing field": (
         lambda f, s: repack(f.frames(s), lambda h: h.pop("traj_id")),
@@ -920,6 +920,31 @@ def test_weight_versions_visible_on_commit_never_backwards_old_freed(start_broke
     info = newcomer.request("WEIGHTS_INFO").header["manifest"]
     assert info == manifest3
     assert [bytes(c) for c in fetch_chunks(newcomer.client, info)] == [bytes(c) for c in chunks3]
+
+
+def test_a_published_chunk_is_checked_as_a_tensor_first_then_as_a_chunk(start_broker):
+    """docs/protocol.md §4 PUBLISH_CHUNK: §3's frame-length rule first (a 0-D `data` of 4 bytes
+    is `size_mismatch` on `tensors.data`), then `bad_dtype` for anything but 1-D |u1 (a 0-D
+    one of 1 byte, a 1-D float32 one)."""
+    broker = start_broker()
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.hello(batch_size=2)
+    manifest, _ = pack_state_dict(synthetic_weights(4096, seed=0), 0, 1024)
+    learner.request("PUBLISH_BEGIN", {"manifest": manifest})
+
+    def refusal(data: np.ndarray, shape: list[int] | None = None) -> tuple[str, str]:
+        head = {"id": "learner", "req": 1, "version": 0, "chunk": 0}
+        frames = [bytes(f) for f in encode("PUBLISH_CHUNK", head, {"data": data})]
+        if shape is not None:  # numpy's encoder never writes a 0-D shape: edit the descriptor
+            frames = repack(frames, lambda h: h["tensors"]["data"].update(shape=shape))
+        reply = learner.send_raw(frames)
+        assert reply is not None and reply.kind == "ERROR", reply
+        return reply.header["code"], reply.header["field"]
+
+    assert refusal(np.zeros(4, dtype=np.uint8), shape=[]) == ("size_mismatch", "tensors.data")
+    assert refusal(np.zeros(1, dtype=np.uint8), shape=[]) == ("bad_dtype", "data")
+    assert refusal(np.zeros(256, dtype=np.float32)) == ("bad_dtype", "data")
+    assert refusal(np.zeros(1000, dtype=np.uint8)) == ("size_mismatch", "data")  # not 1024
 
 
 # ------------------------------------------------------------------------------ 7. GRPO groups

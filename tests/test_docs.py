@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.protocol import FRAME_DTYPES, SCHEMAS
+from common.protocol import FRAME_DTYPES, PROTO, SCHEMAS
 from common.trajectory import ARRAYS
 from common.weights import DTYPE_BYTES
 
@@ -100,3 +100,19 @@ def test_wait_reasons_and_wire_dtypes_are_documented():
     names += [f"`{a}`" for a in ARRAYS] + [f"`{d.str}`" for d in ARRAYS.values()]
     missing = [n for n in names if n not in DOC]
     assert not missing, f"docs/protocol.md does not mention {missing}"
+
+
+def test_the_document_states_the_protocol_version_the_code_speaks_and_how_each_changed():
+    title = re.match(r"# asyncppo wire protocol, version (\d+)\n", DOC)
+    assert title and int(title.group(1)) == PROTO
+    changelog = DOC[DOC.index("## 11. Changelog") :]
+    entries = [int(v) for v in re.findall(r"^\*\*Version (\d+)\*\*", changelog, re.M)]
+    assert entries == list(range(PROTO, 0, -1)), entries
+
+
+def test_rejected_invalid_leaves_out_exactly_what_the_broker_leaves_out():
+    from broker.server import NOT_INVALID
+
+    sentence = re.search(r"`rejected_invalid`: all rejections except(.*?);\n", DOC, re.S)
+    assert sentence, "the STATS_REPLY list no longer says what rejected_invalid leaves out"
+    assert set(re.findall(r"`([a-z_]+)`", sentence.group(1))) == NOT_INVALID

@@ -110,7 +110,7 @@ def test_a_learner_stopped_in_a_long_step_finishes_it_and_checkpoints(tmp_path, 
         if line.startswith("{")
     ]
     events = [line["event"] for line in lines]
-    signalled = events.index("signal received: checkpointing after this step")
+    signalled = events.index("stop signal: finishing")
     assert "step" in events[signalled:], "the step in progress at the signal was finished"
     assert events[-2:] == ["checkpoint saved", "learner finished"], events[-5:]
     assert (tmp_path / "run" / "checkpoints" / "policy" / "latest").exists()

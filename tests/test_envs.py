@@ -28,14 +28,18 @@ def test_registry_builds_every_env_with_the_protocol():
 def test_registry_rejects_unknown_names_and_kwargs():
     with pytest.raises(ValueError, match="known: digits, maze, tooluse, arith, chain"):
         make_env("chess")
-    with pytest.raises(TypeError, match=r"unknown argument\(s\) turns; accepted: max_turns"):
+    with pytest.raises(
+        TypeError,
+        match=r"^actor.env_kwargs: environment 'maze' \(actors.envs.maze:MazeEnv\) takes no "
+        r"argument\(s\) turns; it accepts: max_turns",
+    ):
         make_env("maze", turns=10)
-    with pytest.raises(TypeError, match="accepted: none"):
+    with pytest.raises(TypeError, match="^actor.env_kwargs: .* it accepts: none"):
         make_env("digits", max_turns=3)
 
 
 def test_constructor_arguments_are_validated():
-    with pytest.raises(ValueError, match="max_turns must be >= 2"):
+    with pytest.raises(ValueError, match="^actor.env_kwargs: .*max_turns must be >= 2"):
         make_env("maze", max_turns=1)
     with pytest.raises(TypeError, match="hint_max_turns must be an int"):
         make_env("maze", hint_max_turns="4")

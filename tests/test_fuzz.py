@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_protocol import SEGMENT_ERRORS, make_segment
 
-from common.protocol import SCHEMAS, ProtocolError, decode, encode
+from common.protocol import PROTO, SCHEMAS, ProtocolError, decode, encode
 from common.trajectory import MAX_ID_LEN, MAX_METRICS, Segment
 from common.weights import pack_state_dict, validate_manifest
 
@@ -84,7 +84,7 @@ def test_arbitrary_frames_are_rejected(frames):
     extra=st.lists(st.binary(max_size=16), max_size=2),
 )
 def test_arbitrary_headers_only_ever_raise_protocol_errors(kind, header, extra):
-    frames = [msgpack.packb({**header, "proto": 1, "kind": kind}, use_bin_type=True), *extra]
+    frames = [msgpack.packb({**header, "proto": PROTO, "kind": kind}, use_bin_type=True), *extra]
     try:
         check(frames)
     except ProtocolError as exc:
@@ -218,7 +218,7 @@ def missing_field(rng: random.Random, frames: list) -> list:
 def bad_envelope(rng: random.Random, frames: list) -> list:
     key, values = rng.choice(
         [
-            ("proto", [0, 2, "1", None, [1]]),
+            ("proto", [0, 1, PROTO + 1, str(PROTO), None, [PROTO]]),
             ("kind", ["", "traj", "EXPLODE", 7, None]),
             ("req", ["1", 1.5, None, [0]]),
         ]

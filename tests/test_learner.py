@@ -604,6 +604,8 @@ class FakeBroker:
 
     def request(self, kind: str, header: dict | None = None, tensors=None, **kw):
         header = header or {}
+        if kind == "HEARTBEAT":  # the link's heartbeat thread: answered, not recorded
+            return SimpleNamespace(kind="HEARTBEAT_ACK", header={"latest_version": self.latest})
         self.sent.append((kind, header.get("version", -2), self.learner.health.ready))
         if self.fail_first:
             self.fail_first -= 1
@@ -612,7 +614,9 @@ class FakeBroker:
             self.sent[-1] = (kind, header["manifest"]["version"], self.learner.health.ready)
         if kind == "PUBLISH_COMMIT":
             self.latest = header["version"]
-        return SimpleNamespace(kind="WELCOME", header={"latest_version": self.latest})
+        return SimpleNamespace(
+            kind="WELCOME", header={"latest_version": self.latest, "heartbeat_s": 5.0}
+        )
 
     def pipeline(self, kind: str, headers: list[dict], **kw) -> None:
         self.sent.append((kind, len(headers), self.learner.health.ready))

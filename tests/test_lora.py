@@ -262,8 +262,9 @@ def test_actor_takes_published_adapters_and_refuses_another_bases(tmp_path, tiny
             learner.policy.module.base_fingerprint = real
             deadline = time.monotonic() + 10
             while actor.refused < learner.version and time.monotonic() < deadline:
-                actor._last_poll = 0.0  # poll now: heartbeat, see the version, try to load it
-                actor._poll()
+                if actor.behind():  # the heartbeat thread heard of it: try to load it
+                    actor.sync_weights()
+                time.sleep(0.05)
             assert actor.refused == learner.version and M_REFUSED._value.get() == refused + 1
             assert actor.engine.version == learner.version - 1  # kept its weights
             assert not actor.behind()  # and does not fetch the refused version again

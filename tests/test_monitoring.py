@@ -22,6 +22,8 @@ import yaml
 from conftest import ROOT, free_port
 from test_roles import get, steps_of, wait_for
 
+from common.lifecycle import spawn
+
 PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
 pytestmark = pytest.mark.skipif(
     not (PROMETHEUS and PROMTOOL),
@@ -111,9 +113,7 @@ def test_prometheus_scrapes_a_running_up_and_promtool_accepts_every_role(
         "--log.level=warn",
     ]
     with open(tmp_path / "prometheus.log", "wb") as log:
-        procs.procs.append(
-            subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        )
+        procs.procs.append(spawn(command, stdout=log, stderr=subprocess.STDOUT))
 
     wait_for(lambda: get(f"{prom}/-/ready")[0] == 200, 60, "Prometheus to start", [up])
     trained = 'asyncppo_learner_action_tokens_trained_total{job="asyncppo-local",role="learner"}'

@@ -19,6 +19,8 @@ import pytest
 from conftest import ROOT, free_port
 from test_roles import steps_of, wait_for
 
+from common.lifecycle import spawn
+
 CLIENTS = ("learner", "a1", "a2")
 STATS_PROBE = (
     "import json, sys; from common.config import SecurityConfig; "
@@ -107,9 +109,7 @@ class Hosts:
         cmd = ["ip", "netns", "exec", self.ns(role), sys.executable, "-m", "deploy.cli", *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
-            )
+            proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         procs.procs.append(proc)
         return proc
 

@@ -83,7 +83,11 @@ def test_an_object_that_is_not_an_environment_is_refused_naming_what_it_lacks(
         make_env("half_env:lacking")
     with pytest.raises(TypeError, match=r"missing compact"):
         make_env("half_env:make")
-    with pytest.raises(TypeError, match=r"unknown argument\(s\) colour; accepted: size"):
+    with pytest.raises(
+        TypeError,
+        match=r"^actor.env_kwargs: environment 'half_env:strict' \(half_env:strict\) takes no "
+        r"argument\(s\) colour; it accepts: size",
+    ):
         make_env("half_env:strict", colour="red")
 
 
@@ -98,6 +102,21 @@ def test_the_cli_refuses_a_bad_env_before_starting_anything(tmp_path: Path) -> N
     )
     assert result.returncode == 2
     assert "actor.env: environment 'nosuch_pkg:make': cannot import module" in result.stderr
+    assert not (tmp_path / "run" / "logs").exists()
+    result = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "up", "--config", "configs/smoke.yaml"]
+        + ["--set", "actor.env=maze", "--set", "actor.env_kwargs={turns: 3}"]
+        + ["--set", f"run.out_dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert (
+        "actor.env_kwargs: environment 'maze' (actors.envs.maze:MazeEnv) takes no argument(s) "
+        "turns; it accepts: max_turns" in result.stderr
+    ), result.stderr
     assert not (tmp_path / "run" / "logs").exists()
 
 

@@ -27,6 +27,7 @@ from common.convert import (
     locate_gguf,
     prepare_model,
 )
+from common.lifecycle import spawn
 from common.model import load_causal_lm, load_tokenizer
 
 NAME = "smollm2-135m-instruct"
@@ -216,7 +217,7 @@ def test_zero2_step_on_two_ranks_and_the_pushed_weights_reach_an_actor_bit_for_b
     procs.start(["broker", *args], tmp_path / "broker.log")
     actor = procs.start(["actor", *args, "--set", "actor.id=roller"], tmp_path / "actor.log")
     with open(tmp_path / "learner.log", "wb") as out:
-        learner = subprocess.Popen(
+        learner = spawn(
             [
                 sys.executable,
                 "-m",
@@ -232,7 +233,6 @@ def test_zero2_step_on_two_ranks_and_the_pushed_weights_reach_an_actor_bit_for_b
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
-            start_new_session=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
     assert wait_or_stop(learner, 720, tmp_path / "learner.log") == 0

@@ -31,6 +31,16 @@ ENV_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 MEMBERS = ("name", "max_new_tokens", "stop", "reset", "step", "compact")
 
 
+class EnvConfigError(ValueError, TypeError):
+    """``actor.env`` or ``actor.env_kwargs`` cannot make an environment; ``key`` says which.
+    Both a ValueError and a TypeError, the two kinds of what it reports (a wrong name or value,
+    an argument the factory does not take, an object that is not an Environment)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
 def env_factory(name: str) -> Callable[..., Environment]:
     """The registered factory called `name`, or the callable at import path 'module:attribute'."""
     if not isinstance(name, str) or not name:
@@ -88,8 +98,16 @@ def check_environment(env: object, name: str) -> Environment:
 
 
 def make_env(name: str, **kwargs: object) -> Environment:
-    """Build an environment by name or import path; arguments and the result are checked."""
-    factory = env_factory(name)
+    """Build an environment by name or import path; arguments and the result are checked.
+
+    Every failure is an ``EnvConfigError`` naming the config key at fault and the factory by its
+    import path: the name (``actor.env``), its arguments (``actor.env_kwargs``) or what the
+    factory built or raised."""
+    try:
+        factory = env_factory(name)
+    except ValueError as exc:
+        raise EnvConfigError("actor.env", str(exc)) from None
+    where = f"environment {name!r} ({_import_path(factory)})"
     try:
         parameters = inspect.signature(factory).parameters
     except (TypeError, ValueError):  # some builtins have no signature: let the call decide
@@ -99,11 +117,33 @@ def make_env(name: str, **kwargs: object) -> Environment:
     ):
         unknown = sorted(set(kwargs) - set(parameters))
         if unknown:
-            raise TypeError(
-                f"make_env({name!r}): unknown argument(s) {', '.join(unknown)}; "
-                f"accepted: {', '.join(parameters) or 'none'}"
+            raise EnvConfigError(
+                "actor.env_kwargs",
+                f"{where} takes no argument(s) {', '.join(unknown)}; it accepts: "
+                f"{', '.join(parameters) or 'none'}",
             )
-    return check_environment(factory(**kwargs), name)
+    try:
+        env = factory(**kwargs)
+    except Exception as exc:  # the factory's own code refused its arguments, or failed
+        key = "actor.env_kwargs" if isinstance(exc, (TypeError, ValueError)) else "actor.env"
+        raise EnvConfigError(key, f"{where} raised {type(exc).__name__}: {exc}") from exc
+    try:
+        return check_environment(env, name)
+    except TypeError as exc:
+        raise EnvConfigError("actor.env", f"{exc} (made by {_import_path(factory)})") from None
 
 
-__all__ = ["ENV_NAMES", "Environment", "StepResult", "check_environment", "make_env"]
+def _import_path(factory: Callable[..., object]) -> str:
+    """Where a factory lives, as an import path: ``package.module:Name``."""
+    module = getattr(factory, "__module__", None) or "?"
+    return f"{module}:{getattr(factory, '__qualname__', repr(factory))}"
+
+
+__all__ = [
+    "ENV_NAMES",
+    "EnvConfigError",
+    "Environment",
+    "StepResult",
+    "check_environment",
+    "make_env",
+]
