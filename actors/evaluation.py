@@ -6,9 +6,9 @@ environment reports an instance's horizon (``env.horizon`` after ``reset``: the 
 needs), the held-out set is stratified: the same number of instances in every horizon bucket
 (``eval.horizon_buckets``), so a score is not decided by how many long instances the draw held.
 
-The episodes are played exactly as an actor plays them (``Rollouts``: continuous batching, the
-actor's temperature, compaction), but their segments go nowhere: evaluation never reaches the
-learner. Success is ``info["success"]`` where the environment reports it, else reward > 0; each
+The episodes are played exactly as an actor plays them (``actors.play.play``: continuous
+batching, the actor's temperature, compaction), but their segments go nowhere: evaluation never
+reaches the learner. Success is ``info["success"]`` where the environment reports it, else reward > 0; each
 rate comes with a 95% Wilson interval, each mean reward with a normal 95% interval.
 """
 
@@ -26,17 +26,19 @@ from typing import Any
 import structlog
 from prometheus_client import Counter, Gauge
 
+from actors.chat import ChatFormat
 from actors.engines import Engine
 from actors.envs import make_env
 from actors.envs.base import HELD_OUT
-from actors.episode import ChatFormat, Episode
-from actors.link import fetch_newer
-from actors.rollout import Rollouts
+from actors.episode import Episode
+from actors.link import WeightsClient, broker_client
+from actors.play import play
 from common.config import Config
 from common.log import bind_version
 from common.metrics import Health
+from common.protocol import Message
 from common.retry import call_with_retry
-from common.transport import Client, Endpoint, TransportError
+from common.transport import TransportError
 
 log = structlog.get_logger()
 
@@ -165,56 +167,36 @@ def evaluate(
     ended without an error, with the states it passed through. None when ``should_stop()``
     ended it early (a partial score would mislead)."""
     t0 = time.monotonic()
-
-    def record(played: Played, ep: Episode | None, error: str | None) -> dict[str, Any]:
-        reward = sum(s.reward for s in ep.segments) if ep is not None else 0.0
-        return {
-            "seed": played.seed,
-            "horizon": played.horizon,
-            "bucket": bucket_name(played.horizon, cfg.eval.horizon_buckets),
-            "reward": reward,
-            "success": error is None and bool(ep.info.get("success", reward > 0)),
-            "turns": ep.turns if ep is not None else 0,
-            "segments": len(ep.segments) if ep is not None else 0,
-            "error": error,
-        }
-
-    rollouts = Rollouts(engine, temperature=cfg.actor.temperature, top_p=cfg.actor.top_p)
-    pending, playing = list(instances), {}
+    played = [Played(seed, horizon) for seed, horizon in instances]
     records: list[dict[str, Any]] = []
-    tokens = 0
-    while pending or len(rollouts):
-        if should_stop():
-            return None
-        while pending and len(rollouts) < cfg.actor.max_inflight_episodes:
-            seed, horizon = pending.pop(0)
-            try:
-                episode = Episode(
-                    make_env(cfg.actor.env, **cfg.actor.env_kwargs),
-                    fmt,
-                    seed=seed,
-                    permit="eval",
-                    actor_id="eval",
-                    group_id=None,
-                    max_turns=cfg.actor.max_turns,
-                    context_budget=cfg.actor.context_budget_tokens,
-                )
-            except Exception as exc:  # the environment's code: the instance counts as failed
-                records.append(record(Played(seed, horizon), None, f"{type(exc).__name__}: {exc}"))
-                continue
-            playing[episode.episode_id] = Played(seed, horizon)
-            rollouts.add(episode)
-        beat("evaluating")
-        for turn in rollouts.step():
-            tokens += len(turn.generation.token_ids)
-            ep = turn.episode
-            if turn.error is None and not ep.done:
-                playing[ep.episode_id].states.append(state_of(ep.info))
-                continue
-            played = playing.pop(ep.episode_id)
-            records.append(record(played, ep, turn.error))
-            if turn.error is None:
-                on_episode(played, ep)
+
+    def turned(i: int, ep: Episode) -> None:
+        played[i].states.append(state_of(ep.info))
+
+    def ended(i: int, ep: Episode | None, error: str | None) -> None:
+        reward = ep.reward if ep is not None else 0.0
+        records.append(
+            {
+                "seed": played[i].seed,
+                "horizon": played[i].horizon,
+                "bucket": bucket_name(played[i].horizon, cfg.eval.horizon_buckets),
+                "reward": reward,
+                "success": error is None and bool(ep.info.get("success", reward > 0)),
+                "turns": ep.turns if ep is not None else 0,
+                "segments": len(ep.segments) if ep is not None else 0,
+                "error": error,
+            }
+        )
+        if error is None:
+            on_episode(played[i], ep)
+
+    seeds = [seed for seed, _ in instances]
+    tokens = play(
+        cfg.actor, engine, fmt, seeds, on_turn=turned, on_end=ended, should_stop=should_stop,
+        beat=lambda what: beat("evaluating"),
+    )  # fmt: skip
+    if tokens is None:
+        return None
     edges = cfg.eval.horizon_buckets
     order = [bucket_name(e, edges) for e in edges] + [f">{edges[-1]}", "all"]
     buckets = [b for b in order if any(r["bucket"] == b for r in records)]
@@ -234,25 +216,34 @@ def summary_line(result: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result.items() if k != "records"} | {"time": time.time()}
 
 
-def broker_client(cfg: Config, interrupted: Callable[[], bool] = lambda: False) -> Client:
-    """A connection for WEIGHTS_INFO/GET, which need no HELLO: the evaluator is not an actor the
-    broker counts, so it holds no lease a long evaluation could lose."""
-    return Client(
-        Endpoint(cfg.security, cfg.broker.max_message_bytes),
-        cfg.actor.broker,
-        f"eval-{os.getpid()}",
-        timeout_s=cfg.actor.broker_timeout_s,
-        interrupted=interrupted,
-    )
+def eval_client(
+    cfg: Config, should_stop: Callable[[], bool] = lambda: False, health: Health | None = None
+) -> WeightsClient:
+    """WEIGHTS_INFO/GET on a connection of its own, which needs no HELLO: the evaluator is not
+    an actor the broker counts, so it holds no lease a long evaluation could lose. With
+    ``health``, WEIGHTS_INFO is retried through broker restarts (reported there)."""
+    client = broker_client(cfg, f"eval-{os.getpid()}", should_stop)
+
+    def info() -> Message:
+        if health is None:
+            return client.request("WEIGHTS_INFO")
+        return call_with_retry(
+            lambda: client.request("WEIGHTS_INFO"),
+            what="WEIGHTS_INFO",
+            health=health,
+            should_stop=should_stop,
+        )
+
+    return WeightsClient(client, info)
 
 
 def fetch_version(cfg: Config, engine: Engine) -> bool:
     """Load the broker's newest version into ``engine``; False when the broker holds none."""
-    client = broker_client(cfg)
+    weights = eval_client(cfg)
     try:
-        fetched = fetch_newer(client, client.request("WEIGHTS_INFO"), -1)
+        fetched = weights.fetch_newer(-1)
     finally:
-        client.close()
+        weights.client.close()
     if fetched is not None:
         engine.load_version(*fetched)
     return fetched is not None
@@ -274,57 +265,66 @@ def follow(
 
     Once ``finishing()`` (training is over) it scores the newest version if it has not yet, due
     or not, and returns: a run's final policy is always evaluated."""
-    client = broker_client(cfg, should_stop)
+    weights = eval_client(cfg, should_stop, health)
     instances = held_out_instances(cfg, cfg.eval.episodes)
     every, last = max(cfg.eval.every_versions, 1), None
     health.ready = True
     try:
         while not should_stop():
             try:
-                info = call_with_retry(
-                    lambda: client.request("WEIGHTS_INFO"),
-                    what="WEIGHTS_INFO",
-                    health=health,
-                    should_stop=should_stop,
-                )
+                manifest = weights.newest()
             except TransportError:
                 continue  # stopping
-            newest = info.header["manifest"]["version"] if info.kind == "WEIGHTS_MANIFEST" else -1
+            newest = manifest["version"] if manifest is not None else -1
             final = finishing()
             due = newest >= 0 and (last is None or newest >= last + (1 if final else every))
-            fetched = fetch_newer(client, info, engine.version) if due else None
-            if fetched is None:
+            tensors = weights.download(manifest) if due and newest > engine.version else None
+            if tensors is None:
                 if final:
                     return  # the newest version is scored
                 health.beat("waiting for a version to evaluate")
                 time.sleep(0.5)
                 continue
             try:
-                engine.load_version(*fetched)
+                engine.load_version(manifest, tensors)
             except ValueError as exc:  # an adapter for another base model, ...: the next one
-                log.error("weights refused", version=fetched[0]["version"], error=str(exc))
-                last = fetched[0]["version"]
+                log.error("weights refused", version=newest, error=str(exc))
+                last = newest
                 continue
             bind_version(engine.version)
-            result = evaluate(
-                cfg, engine, fmt, instances, beat=health.beat, should_stop=should_stop
-            )
-            if result is None:
+            if not score_version(cfg, engine, fmt, instances, out, health, should_stop):
                 return  # stopped in the middle: nothing to report
             last = engine.version
-            with out.open("a") as f:
-                f.write(json.dumps(summary_line(result)) + "\n")
-            record_metrics(result)
-            log.info(
-                "evaluated",
-                version=last,
-                success=round(result["success"], 4),
-                ci95=[round(x, 4) for x in result["success_ci95"]],
-                episodes=result["episodes"],
-                seconds=result["seconds"],
-            )
     finally:
-        client.close()
+        weights.client.close()
+
+
+def score_version(
+    cfg: Config,
+    engine: Engine,
+    fmt: ChatFormat,
+    instances: list[tuple[int, int | None]],
+    out: Path,
+    health: Health,
+    should_stop: Callable[[], bool],
+) -> bool:
+    """Evaluate the engine's version, append the result to ``out`` and the gauges; False when
+    ``should_stop()`` interrupted it (nothing is reported)."""
+    result = evaluate(cfg, engine, fmt, instances, beat=health.beat, should_stop=should_stop)
+    if result is None:
+        return False
+    with out.open("a") as f:
+        f.write(json.dumps(summary_line(result)) + "\n")
+    record_metrics(result)
+    log.info(
+        "evaluated",
+        version=engine.version,
+        success=round(result["success"], 4),
+        ci95=[round(x, 4) for x in result["success_ci95"]],
+        episodes=result["episodes"],
+        seconds=result["seconds"],
+    )
+    return True
 
 
 def record_metrics(result: dict[str, Any]) -> None:

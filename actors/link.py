@@ -1,9 +1,11 @@
-"""The actor's link to the broker: the one module of ``actors/`` that speaks the protocol.
+"""The actors' link to the broker: the one module of ``actors/`` that speaks the protocol.
 
-Three small jobs behind one socket (docs/protocol.md §8 *Actor*): permits before episodes, an
-*adder* that streams finished segments out, and a *variable client* that brings newer weights in.
-Every request survives broker restarts (``common.retry``); a broker that forgot the actor gets
-its HELLO again, naming the permits still being played.
+Three small jobs (docs/protocol.md §8 *Actor*): permits before episodes, an *adder* that streams
+finished segments out, and a *variable client* (``WeightsClient``) that brings newer weights in;
+the evaluator uses the variable client alone, on a connection that registers nothing. Every
+request survives broker restarts (``common.retry``); a broker that forgot the actor gets its
+HELLO again, naming the permits still being played. Liveness is a heartbeat thread on the same
+connection (``common.heartbeat``), whatever the actor's loop is busy with.
 """
 
 from __future__ import annotations
@@ -27,6 +29,54 @@ log = structlog.get_logger()
 HEARTBEAT_EVERY_S = 0.5  # an actor hears of a new version within this (HEARTBEAT_ACK)
 
 
+def broker_client(
+    cfg: Config, client_id: str, interrupted: Callable[[], bool] = lambda: False
+) -> Client:
+    """A connection to ``actor.broker`` with the actor's security and timeout."""
+    return Client(
+        Endpoint(cfg.security, cfg.broker.max_message_bytes),
+        cfg.actor.broker,
+        client_id,
+        timeout_s=cfg.actor.broker_timeout_s,
+        interrupted=interrupted,
+    )
+
+
+class WeightsClient:
+    """WEIGHTS_INFO and WEIGHTS_GET, which need no HELLO. ``info()`` sends the WEIGHTS_INFO (with
+    its caller's retry policy); chunks are pipelined and every tensor's sha256 checked."""
+
+    def __init__(self, client: Client, info: Callable[[], Message]) -> None:
+        self.client, self.info = client, info
+
+    def newest(self) -> dict | None:
+        """The manifest of the newest complete version, None while there is none."""
+        reply = self.info()
+        return reply.header["manifest"] if reply.kind == "WEIGHTS_MANIFEST" else None
+
+    def download(self, manifest: dict) -> dict[str, Any] | None:
+        """The version's tensors, None when it went away during the download (a newer one
+        replaced it) or the download was interrupted."""
+        version = manifest["version"]
+        try:
+            chunks = self.client.pipeline(
+                "WEIGHTS_GET",
+                [{"version": version, "chunk": i} for i in range(len(manifest["chunks"]))],
+            )
+        except TransportError as exc:
+            log.warning("weight download interrupted", version=version, error=str(exc))
+            return None
+        return unpack_state_dict(manifest, [m.tensors["data"] for m in chunks])
+
+    def fetch_newer(self, have: int) -> tuple[dict, dict[str, Any]] | None:
+        """The newest version if it is newer than ``have``: (manifest, tensors), else None."""
+        manifest = self.newest()
+        if manifest is None or manifest["version"] <= have:
+            return None
+        tensors = self.download(manifest)
+        return None if tensors is None else (manifest, tensors)
+
+
 class BrokerLink:
     """``version()`` is the engine's version (HEARTBEAT and HELLO report it, the former from the
     heartbeat thread), ``held()`` the permits still being played (HELLO reports them)."""
@@ -42,13 +92,8 @@ class BrokerLink:
     ):
         self.health, self.version, self.held = health, version, held
         self.should_stop: Callable[[], bool] = lambda: False
-        self.client = Client(
-            Endpoint(cfg.security, cfg.broker.max_message_bytes),
-            cfg.actor.broker,
-            actor_id,
-            timeout_s=cfg.actor.broker_timeout_s,
-            interrupted=lambda: self.should_stop(),
-        )
+        self.client = broker_client(cfg, actor_id, lambda: self.should_stop())
+        self.weights = WeightsClient(self.client, lambda: self.call("WEIGHTS_INFO"))
         self.latest = -1  # the newest version the broker announced
         self.heartbeat_s = cfg.broker.heartbeat_timeout_s / 3  # until WELCOME says
         self.heartbeat: Heartbeat | None = None  # from the first WELCOME on
@@ -88,7 +133,6 @@ class BrokerLink:
         """The first HELLO, retried until the broker takes it (``id_taken`` waits out the lease
         of a previous process under this id); then the heartbeat thread starts."""
         self._welcome(self.call("HELLO", self._hello_header()))
-        # Liveness and news of versions from its own thread, whatever the loop is busy with.
         self.heartbeat = Heartbeat(
             self.client,
             lambda: min(HEARTBEAT_EVERY_S, self.heartbeat_s),
@@ -97,12 +141,16 @@ class BrokerLink:
         ).start()
 
     def hello(self) -> None:
-        """Register again (the broker restarted, or reaped us); a failure is retried by the
-        request that needed it."""
+        """Register again (the broker restarted, or reaped us), or tell it which permits are
+        still held (it frees the rest); a failure is retried by the request that needed it."""
         try:
             self._welcome(self.client.request("HELLO", self._hello_header()))
         except TransportError as exc:
             log.warning("HELLO failed; will retry", error=str(exc))
+
+    def permits(self, n: int, group: int, version: int, *, wait: bool) -> Message:
+        """PERMITS_REQ: PERMITS, or a WAIT saying why not."""
+        return self.call("PERMITS_REQ", {"n": n, "version": version, "group": group, "wait": wait})
 
     # ------------------------------------------------------------ the adder
     def add(self, seg: Segment) -> str | None:
@@ -122,9 +170,8 @@ class BrokerLink:
 
     # -------------------------------------------------- the variable client
     def fetch_weights(self, have: int) -> tuple[dict, dict[str, Any]] | None:
-        """The newest complete version if it is newer than ``have``: (manifest, tensors), chunks
-        pipelined and every tensor's sha256 checked; None when there is none or it went away."""
-        fetched = fetch_newer(self.client, self.call("WEIGHTS_INFO"), have)
+        """The newest complete version if it is newer than ``have`` (``WeightsClient``)."""
+        fetched = self.weights.fetch_newer(have)
         if fetched is not None:
             self.latest = max(self.latest, fetched[0]["version"])
         return fetched
@@ -135,23 +182,3 @@ class BrokerLink:
         with contextlib.suppress(TransportError):  # a gone broker reclaims by heartbeat timeout
             self.client.request("BYE", timeout_s=1.0, interruptible=False)
         self.client.close()
-
-
-def fetch_newer(client: Client, info: Message, have: int) -> tuple[dict, dict[str, Any]] | None:
-    """After a WEIGHTS_INFO reply ``info``: the version it names, if newer than ``have``, as
-    (manifest, tensors), its chunks pipelined and every tensor's sha256 checked; None when there
-    is none or it went away during the download. WEIGHTS_INFO/GET need no HELLO, so the
-    evaluator uses this too."""
-    if info.kind != "WEIGHTS_MANIFEST" or info.header["manifest"]["version"] <= have:
-        return None
-    manifest = info.header["manifest"]
-    version = manifest["version"]
-    try:
-        chunks = client.pipeline(
-            "WEIGHTS_GET",
-            [{"version": version, "chunk": i} for i in range(len(manifest["chunks"]))],
-        )
-    except TransportError as exc:
-        log.warning("weight download interrupted", version=version, error=str(exc))
-        return None
-    return manifest, unpack_state_dict(manifest, [m.tensors["data"] for m in chunks])

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see bench/smollm
 
 import torch
 
+from actors.chat import ChatFormat
 from actors.engines import SamplingParams, TorchEngine
-from actors.episode import ChatFormat
 from bench.smollm2 import (
     CONFIG,
     arith_prompts,

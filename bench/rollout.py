@@ -37,11 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from actors.chat import ChatFormat
 from actors.engines import Generation, SamplingParams, TorchEngine
 from actors.engines.torch_engine import sampling_logprobs
 from actors.envs import make_env
-from actors.episode import ChatFormat, Episode
-from actors.rollout import Rollouts
+from actors.episode import Episode
+from actors.play import Rollouts
 from common.model import load_exported_state_dict, state_dict_for_export
 from deploy.warmup import warm_up
 

@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from actors.actor import Actor
+from actors.chat import ChatFormat
 from actors.engines import SamplingParams, TorchEngine
 from actors.envs import make_env
-from actors.episode import ChatFormat, Episode
+from actors.episode import Episode
 from bench.engine import measure  # TorchEngine and HF generate on one batch, alternating
 from common.config import Config, load_config
 from common.lifecycle import spawn

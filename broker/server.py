@@ -10,7 +10,7 @@ and changes nothing.
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -21,9 +21,10 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
 
 from broker.admission import Admission, Permit, restore_permit
+from broker.parked import ParkedPermits
 from broker.queue import Dropped, EpisodeQueue
 from broker.registry import Conn, Registry
-from broker.spool import Spool
+from broker.spool import Durability
 from broker.weights import WeightStore, WeightVersion
 from common.config import Config
 from common.log import bind_version
@@ -155,17 +156,12 @@ class Broker:
         self.weights = WeightStore()
         self.queue = EpisodeQueue(self.admission, self.cfg.max_queue_bytes)
         self.pending_batch: tuple[list, Message, float] | None = None
-        # actor id -> its PERMITS_REQ waiting for capacity (envelope, request, deadline), in
-        # arrival order; an actor's newer request replaces its older one
-        self.parked_permits: OrderedDict[str, tuple[list, Message, float]] = OrderedDict()
+        self.parked_permits = ParkedPermits()
         self.batch_id = 0
         self.commit_time: dict[int, float] = {}
         self.counts: Counter[str] = Counter(dict.fromkeys(STAT_COUNTS, 0))
-        self.spool = Spool(self.cfg.spool_dir) if self.cfg.spool_dir else None
-        self._dirty = False
-        self._spool_failing: set[str] = set()  # writes failing now: logged once, not per retry
-        self._unspooled: set[str] = set()  # spool keys of handed-out or dropped segments
-        if self.spool:
+        self.durable = Durability(self.cfg.spool_dir, self._spool_failed)
+        if self.durable.spool is not None:
             self._restore()
         M_VERSION.set(self.weights.latest_version)
         bind_version(self.weights.latest_version)
@@ -289,12 +285,12 @@ class Broker:
         if msg.kind == "PERMITS_REQ":  # parked while there is no capacity (or permits_wait_s)
             _check_permits_req(msg.header)  # before the version is recorded or parked
             self.registry.report(client, msg.header["version"])
-            self.parked_permits.pop(client, None)
+            self.parked_permits.drop(client)
             reply = self._on_permits_req(msg)
             if reply is None and not msg.header.get("wait", True):
                 return self._wait(msg, "capacity", 0.0)  # the actor has episodes to play meanwhile
             if reply is None:
-                self.parked_permits[client] = (envelope, msg, now + self.cfg.permits_wait_s)
+                self.parked_permits.park(client, envelope, msg, now + self.cfg.permits_wait_s)
             return reply
         return self._handlers[msg.kind](self, msg)
 
@@ -314,7 +310,7 @@ class Broker:
         M_REJECTED.labels(reason=exc.code).inc()
         self.counts[f"rejected_{exc.code}"] += 1
         self.counts["rejected_invalid"] += exc.code not in NOT_INVALID
-        self._dirty = True
+        self.durable.changed()
         log.warning(
             "rejected message",
             kind=msg.kind if msg else None,
@@ -347,8 +343,9 @@ class Broker:
                 raise ProtocolError(
                     "bad_type", "held_permits", "expected an array of permit ids (str)"
                 )
-            self._dirty |= self.registry.hello_actor(client, conn, now)  # bindings are spooled
-            self.parked_permits.pop(client, None)  # the restarted actor no longer waits on it
+            if self.registry.hello_actor(client, conn, now):
+                self.durable.changed()  # bindings are spooled
+            self.parked_permits.drop(client)  # the restarted actor no longer waits on it
             self._reclaim(client, keep=set(held), reason="actor_restart")
             log.info(
                 "actor connected",
@@ -383,7 +380,7 @@ class Broker:
     def _forget_actor(self, actor_id: str, reason: str) -> None:
         """The actor left or went silent: its permits are freed and nothing of it is kept."""
         self.registry.forget(actor_id)
-        self.parked_permits.pop(actor_id, None)
+        self.parked_permits.drop(actor_id)
         self._reclaim(actor_id, reason=reason)
 
     def _wait(self, msg: Message, reason: str, retry_after_s: float) -> list:
@@ -413,7 +410,7 @@ class Broker:
         if not permits:
             return None
         M_PERMITS.inc(len(permits))
-        self._dirty = True
+        self.durable.changed()
         return self._reply(
             msg,
             "PERMITS",
@@ -426,15 +423,9 @@ class Broker:
     def _serve_parked_permits(self) -> None:
         """Answer parked PERMITS_REQs in arrival order while capacity lasts; past its deadline a
         request gets WAIT capacity (ask again at once: the next request is parked again)."""
-        now = time.monotonic()
-        while self.parked_permits:
-            client, (envelope, msg, deadline) = next(iter(self.parked_permits.items()))
-            reply = self._on_permits_req(msg)
-            if reply is None:
-                if now < deadline:
-                    return  # first come, first served: nobody overtakes the head of the line
-                reply = self._wait(msg, "capacity", 0.0)
-            del self.parked_permits[client]
+        for envelope, reply in self.parked_permits.answers(
+            self._on_permits_req, lambda msg: self._wait(msg, "capacity", 0.0), time.monotonic()
+        ):
             self._flush_state()
             self._send(envelope, reply)
 
@@ -466,12 +457,7 @@ class Broker:
         if isinstance(admitted, list):  # too stale: the episode (and its group) went
             self._dropped(admitted)
             return self._reply(msg, "ACK", {"dropped": "stale"})
-        if self.spool and not self._spool_write(
-            "segment",
-            self.spool.save_segment,
-            f"{admitted.id}.{seg.segment}",
-            [f.bytes for f in body],
-        ):
+        if not self.durable.save_segment(f"{admitted.id}.{seg.segment}", [f.bytes for f in body]):
             raise ProtocolError(
                 "spool_error",
                 "spool",
@@ -479,7 +465,7 @@ class Broker:
                 retryable=True,
             )
         self.queue.accept(admitted, seg)
-        self._dirty = True  # the accepted counter moved, even when the episode goes on
+        self.durable.changed()  # the accepted counter moved, even when the episode goes on
         M_ACCEPTED.inc()
         self.counts["accepted"] += 1
         return self._reply(msg, "ACK")
@@ -491,7 +477,7 @@ class Broker:
                 self._unspool(d.permit, seg)
             M_DROPPED.labels(reason=d.reason).inc(len(d.segments))
             self.counts[f"dropped_{d.reason}"] += len(d.segments)
-            self._dirty = True
+            self.durable.changed()
             log.info(
                 "episode dropped",
                 reason=d.reason,
@@ -510,7 +496,7 @@ class Broker:
         self._dropped(drops)
         if permits:
             self.counts["permits_reclaimed"] += len(permits)
-            self._dirty = True
+            self.durable.changed()
             log.warning("permits reclaimed", actor=actor_id, reason=reason, permits=len(permits))
 
     # -------------------------------------------------------------- learner
@@ -536,7 +522,7 @@ class Broker:
         M_HANDED.inc(len(headers))
         self.counts["handed_out"] += len(headers)
         self.counts["episodes_handed_out"] += len(batch)
-        self._dirty = True
+        self.durable.changed()
         self.pending_batch = None
         self._flush_state()
         self._send(
@@ -563,10 +549,10 @@ class Broker:
         wv = self.weights.commit(msg.header["version"])
         self.admission.published()
         self.commit_time = {wv.version: time.monotonic()}
-        if self.spool:
+        if self.durable.spool is not None:
             chunks = [bytes(c) for c in wv.chunks]  # type: ignore[arg-type]
-            self._spool_write("weights", self.spool.save_weights, wv.version, wv.manifest, chunks)
-        self._dirty = True
+            self.durable.save_weights(wv.version, wv.manifest, chunks)
+        self.durable.changed()
         M_VERSION.set(wv.version)
         bind_version(wv.version)
         log.info(
@@ -613,67 +599,42 @@ class Broker:
         }
 
     # ----------------------------------------------------------- durability
-    def _spool_write(self, what: str, write: Callable[..., None], *args: Any) -> bool:
-        """One spool write; False when the disk failed (full, read-only, gone).
-
-        A disk error must not kill the broker: it is counted and logged (once per outage), and
-        the caller decides what it means. A segment is then not acknowledged; state is retried.
-        """
-        try:
-            write(*args)
-        except OSError as exc:
-            M_SPOOL_ERRORS.inc()
-            self.counts["spool_errors"] += 1
-            self._dirty = True
-            if what not in self._spool_failing:
-                log.error("spool write failed", what=what, error=str(exc))
-                self._spool_failing.add(what)
-            return False
-        if what in self._spool_failing:
-            log.info("spool writes work again", what=what)
-            self._spool_failing.discard(what)
-        return True
+    def _spool_failed(self) -> None:
+        """A spool write or deletion failed (``Durability`` logged it)."""
+        M_SPOOL_ERRORS.inc()
+        self.counts["spool_errors"] += 1
 
     def _unspool(self, permit: Permit, seg: Segment) -> None:
-        """A handed-out or dropped segment leaves the spool at the next flush."""
-        if self.spool:
-            self._unspooled.add(f"{permit.id}.{seg.segment}")
+        self.durable.forget(f"{permit.id}.{seg.segment}")
 
     def _flush_state(self) -> None:
-        """Persist what changed. Deletions that fail are retried on every tick: a restart would
-        bring their segments back, and the learner would train on them twice."""
-        if not self.spool:
-            return
-        for key in list(self._unspooled):
-            if not self._spool_write("delete", self.spool.delete_segment, key):
-                break
-            self._unspooled.discard(key)
-        if self._dirty:
-            state = {
+        """Persist what changed (``Durability.flush``)."""
+        self.durable.flush(
+            lambda: {
                 "admission": self.admission.state(),
                 "queued": [vars(p) for p, _ in self.queue.complete.values()],  # their groups
                 "counts": dict(self.counts),
                 "batch_id": self.batch_id,
                 "bindings": self.registry.bindings(),
             }
-            self._dirty = False
-            self._spool_write("state", self.spool.save_state, state)
+        )
 
     def _restore(self) -> None:
         """Reload weights, permits and acknowledged segments after a restart (kill -9 included)."""
-        assert self.spool is not None
-        saved = self.spool.load_weights()
+        spool = self.durable.spool
+        assert spool is not None
+        saved = spool.load_weights()
         if saved:
             manifest, chunks = saved
             self.weights.install(WeightVersion(manifest["version"], manifest, chunks))
-        state = self.spool.load_state() or {}
+        state = spool.load_state() or {}
         if state:
             self.admission.restore(state["admission"])
             self.counts.update(state["counts"])
             self.batch_id = state["batch_id"]
         queued = {p["id"]: restore_permit(p) for p in state.get("queued", [])}
         restored = 0
-        for _key, frames in self.spool.load_segments():
+        for _key, frames in spool.load_segments():
             msg = decode(frames, max_bytes=self.cfg.max_message_bytes)
             seg = Segment.from_wire(msg.header, msg.tensors)
             permit = self.admission.in_flight.get(seg.permit)

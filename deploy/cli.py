@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def fail(command: str, message: object) -> int:
+    """A refused input: one line naming what is wrong, exit status 2."""
+    print(f"asyncppo {command}: {message}", file=sys.stderr)
+    return 2
+
+
 def _serve_role(role: str, args: argparse.Namespace, cfg: Any, **log_ctx: Any) -> tuple[Any, Any]:
     """Logging and the metrics/health server, common to every role."""
     from common.log import setup_logging
@@ -180,8 +186,7 @@ def _client_role(role: str, run: Any) -> int:
         run()
     except TransportError as exc:
         if exc.code == "bad_proto":
-            print(f"asyncppo {role}: {exc}", file=sys.stderr)
-            return 2
+            return fail(role, exc)
         if exc.code != "interrupted":
             raise
     return 0
@@ -194,8 +199,7 @@ def prepare(name: str, out: str) -> int:
     try:
         done = prepare_model(name, out)
     except (OSError, ValueError) as exc:  # not installed, unknown name, --out taken
-        print(f"asyncppo model prepare: {exc}", file=sys.stderr)
-        return 2
+        return fail("model prepare", exc)
     print(f"prepared {name} in {out}" if done else f"{out} already holds {name}; nothing to do")
     return 0
 
@@ -205,11 +209,9 @@ def warmup(env: str, out: str) -> int:
     from deploy.warmup import RECIPES, warm_up
 
     if env not in RECIPES:
-        print(
-            f"asyncppo model warmup: no warm-up recipe for {env!r}; choose one of {sorted(RECIPES)}",
-            file=sys.stderr,
+        return fail(
+            "model warmup", f"no warm-up recipe for {env!r}; choose one of {sorted(RECIPES)}"
         )
-        return 2
     print(f"the tiny model warmed up on {env} is in {warm_up(out, env=env)}")
     return 0
 
@@ -219,13 +221,11 @@ def fit_critic(cfg: Any, args: argparse.Namespace) -> int:
     from deploy.critic_fit import fit_critic as fit
 
     if min(args.instances, args.plays, args.steps) < 1:
-        print("asyncppo critic: --instances, --plays and --steps must be >= 1", file=sys.stderr)
-        return 2
+        return fail("critic", "--instances, --plays and --steps must be >= 1")
     try:
         report = fit(cfg, args.out, instances=args.instances, plays=args.plays, steps=args.steps)
     except (OSError, ValueError) as exc:  # --out taken, eval buckets the env cannot fill
-        print(f"asyncppo critic: {exc}", file=sys.stderr)
-        return 2
+        return fail("critic", exc)
     fraction = report["critic_fraction_of_value_function"]
     print(
         f"critic in {args.out}: held-out explained variance {report['held_out_critic_ev']:.3f}, "
@@ -238,8 +238,8 @@ def fit_critic(cfg: Any, args: argparse.Namespace) -> int:
 def run_eval(cfg: Any, args: argparse.Namespace) -> int:
     """`asyncppo eval`: one evaluation of a model directory or of the broker's newest version
     (printed, and written whole with --out), or --follow: evaluate alongside training."""
+    from actors.chat import ChatFormat
     from actors.engines import engine_for
-    from actors.episode import ChatFormat
     from actors.evaluation import evaluate, fetch_version, follow, held_out_instances
     from common.model import load_tokenizer
 
@@ -251,15 +251,14 @@ def run_eval(cfg: Any, args: argparse.Namespace) -> int:
         engine = engine_for(cfg, path)
         fmt = ChatFormat(load_tokenizer(path))
     except (OSError, ValueError) as exc:
-        print(f"asyncppo eval: model {path!r}: {exc}", file=sys.stderr)
-        return 2
+        return fail("eval", f"model {path!r}: {exc}")
     if args.follow:
         out = Path(cfg.run.out_dir) / "eval.jsonl"
         stop = _stop_flag(health)
         return _client_role("eval", lambda: follow(cfg, engine, fmt, health, stop, out, finishing))
     if args.broker and not fetch_version(cfg, engine):
         print(f"asyncppo eval: broker {cfg.actor.broker} holds no weights", file=sys.stderr)
-        return 1
+        return 1  # not a bad input: nothing to evaluate yet
     if args.checkpoint:
         return eval_checkpoint(cfg, args, engine, fmt)
     result = evaluate(cfg, engine, fmt, held_out_instances(cfg, cfg.eval.episodes))
@@ -279,8 +278,7 @@ def eval_checkpoint(cfg: Any, args: argparse.Namespace, engine: Any, fmt: Any) -
     try:
         models, version = load_models(cfg, Path(args.checkpoint), args.tag)
     except (OSError, ValueError) as exc:
-        print(f"asyncppo eval: checkpoint {args.checkpoint!r}: {exc}", file=sys.stderr)
-        return 2
+        return fail("eval", f"checkpoint {args.checkpoint!r}: {exc}")
     engine.load_weights(version, policy_weights(models))
     played: list[tuple] = []
     result = evaluate(
@@ -323,93 +321,77 @@ def report_eval(result: dict[str, Any], out: str | None) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from common.config import ConfigError, load_config, reference_markdown, to_dict
+def keys(args: argparse.Namespace) -> int:
+    from common.transport import generate_keys
 
-    if args.command == "keys":
-        from common.transport import generate_keys
+    public, secret = generate_keys(args.out, args.name)
+    print(f"public key: {public}\nsecret key: {secret}")
+    return 0
 
-        public, secret = generate_keys(args.out, args.name)
-        print(f"public key: {public}\nsecret key: {secret}")
-        return 0
-    if args.command == "model" and args.action == "warmup":
+
+def model(args: argparse.Namespace) -> int:
+    if args.action == "warmup":
         return warmup(args.name, args.out or f"runs/models/tiny-{args.name}-warm")
-    if args.command == "model":
-        return prepare(args.name, args.out or f"runs/models/{args.name}")
-    if args.command == "plot":
-        from deploy.plots import plot_run
+    return prepare(args.name, args.out or f"runs/models/{args.name}")
 
-        try:
-            print(f"wrote {plot_run(args.run_dir, args.out)}")
-        except (OSError, ValueError) as exc:
-            print(f"asyncppo plot: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    if args.command == "scale":
-        target = Path(args.run_dir) / "actors.target"
-        if not target.parent.is_dir():
-            print(f"asyncppo scale: run directory {args.run_dir!r} does not exist", file=sys.stderr)
-            return 2
-        target.write_text(f"{args.actors}\n")
-        print(f"asked {args.run_dir} for {args.actors} actors")
-        return 0
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"asyncppo {args.command}: {exc}", file=sys.stderr)
-        return 2
-    if args.command == "config":
-        import yaml
 
-        print(
-            reference_markdown()
-            if args.reference
-            else yaml.safe_dump(to_dict(cfg), sort_keys=False),
-            end="",
-        )
-        return 0
-    if args.command in ("up", "actor", "eval", "critic"):
-        from actors.envs import EnvConfigError, make_env
-
-        try:  # before any process starts: a bad actor.env or env_kwargs is a config error, named
-            make_env(cfg.actor.env, **cfg.actor.env_kwargs)
-        except EnvConfigError as exc:
-            print(f"asyncppo {args.command}: {exc}", file=sys.stderr)
-            return 2
-    Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
-    if args.command == "up":
-        from deploy.launcher import launch
-
-        return launch(cfg, args)
-    if args.command == "broker":
-        from broker.server import Broker
-
-        _, health = _serve_role("broker", args, cfg)
-        try:
-            broker = Broker(cfg, health)
-        except (OSError, ValueError) as exc:  # key files, allow-lists, bind address, spool dir
-            print(f"asyncppo broker: {exc}", file=sys.stderr)
-            return 2
-        broker.run(_stop_flag(health))
-        return 0
-    from common.model import ensure_model
+def plot(args: argparse.Namespace) -> int:
+    from deploy.plots import plot_run
 
     try:
-        ensure_model(cfg.model.path, builtin=cfg.model.builtin)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"asyncppo {args.command}: model.path: {exc}", file=sys.stderr)
-        return 2
-    if args.command == "actor":
-        from actors.actor import Actor, actor_id
+        print(f"wrote {plot_run(args.run_dir, args.out)}")
+    except (OSError, ValueError) as exc:
+        return fail("plot", exc)
+    return 0
 
-        _, health = _serve_role("actor", args, cfg, actor_id=actor_id(cfg))
-        stop = _stop_flag(health)
-        return _client_role("actor", lambda: Actor(cfg, health).run(stop))
-    if args.command == "eval":
-        return run_eval(cfg, args)
-    if args.command == "critic":
-        return fit_critic(cfg, args)
+
+def scale(args: argparse.Namespace) -> int:
+    target = Path(args.run_dir) / "actors.target"
+    if not target.parent.is_dir():
+        return fail("scale", f"run directory {args.run_dir!r} does not exist")
+    target.write_text(f"{args.actors}\n")
+    print(f"asked {args.run_dir} for {args.actors} actors")
+    return 0
+
+
+def show_config(cfg: Any, args: argparse.Namespace) -> int:
+    import yaml
+
+    from common.config import reference_markdown, to_dict
+
+    text = reference_markdown() if args.reference else yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    print(text, end="")
+    return 0
+
+
+def up(cfg: Any, args: argparse.Namespace) -> int:
+    from deploy.launcher import launch
+
+    return launch(cfg, args)
+
+
+def broker(cfg: Any, args: argparse.Namespace) -> int:
+    from broker.server import Broker
+
+    _, health = _serve_role("broker", args, cfg)
+    try:
+        server = Broker(cfg, health)
+    except (OSError, ValueError) as exc:  # key files, allow-lists, bind address, spool dir
+        return fail("broker", exc)
+    server.run(_stop_flag(health))
+    return 0
+
+
+def actor(cfg: Any, args: argparse.Namespace) -> int:
+    from actors.actor import Actor, actor_id
+
+    _, health = _serve_role("actor", args, cfg, actor_id=actor_id(cfg))
+    stop = _stop_flag(health)
+    return _client_role("actor", lambda: Actor(cfg, health).run(stop))
+
+
+def learner(cfg: Any, args: argparse.Namespace) -> int:
+    from common.config import ConfigError
     from learner.trainer import Learner
 
     rank = int(os.environ.get("RANK", "0"))
@@ -417,14 +399,57 @@ def main(argv: list[str] | None = None) -> int:
         args.metrics_port += rank
     _, health = _serve_role("learner", args, cfg, rank=rank)
     try:
-        learner = Learner(cfg, resume=args.resume, health=health)
+        role = Learner(cfg, resume=args.resume, health=health)
     except ConfigError as exc:  # found only once the model is loaded (learner.lora.target_modules)
-        print(f"asyncppo learner: {exc}", file=sys.stderr)
-        return 2
+        return fail("learner", exc)
     try:
-        return _client_role("learner", lambda: learner.run(_stop_flag(health)))
+        return _client_role("learner", lambda: role.run(_stop_flag(health)))
     finally:
-        learner.close()
+        role.close()
+
+
+WITHOUT_CONFIG = {"keys": keys, "model": model, "plot": plot, "scale": scale}
+WITH_CONFIG = {  # command -> (its function, plays actor.env, needs model.path)
+    "config": (show_config, False, False),
+    "up": (up, True, False),
+    "broker": (broker, False, False),
+    "actor": (actor, True, True),
+    "eval": (run_eval, True, True),
+    "critic": (fit_critic, True, True),
+    "learner": (learner, False, True),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, load and check the config (what every role reads), then run the command. A bad
+    config, environment or model path is refused before anything starts."""
+    args = build_parser().parse_args(argv)
+    if args.command in WITHOUT_CONFIG:
+        return WITHOUT_CONFIG[args.command](args)
+    from common.config import ConfigError, load_config
+
+    run, plays_env, needs_model = WITH_CONFIG[args.command]
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        return fail(args.command, exc)
+    if plays_env:
+        from actors.envs import EnvConfigError, make_env
+
+        try:  # before any process starts: a bad actor.env or env_kwargs is a config error, named
+            make_env(cfg.actor.env, **cfg.actor.env_kwargs)
+        except EnvConfigError as exc:
+            return fail(args.command, exc)
+    if args.command != "config":
+        Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
+    if needs_model:
+        from common.model import ensure_model
+
+        try:
+            ensure_model(cfg.model.path, builtin=cfg.model.builtin)
+        except (FileNotFoundError, ValueError) as exc:
+            return fail(args.command, f"model.path: {exc}")
+    return run(cfg, args)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ known before RL begins, so its value function can be fitted first, offline:
    times each with ``model.path``'s policy, the actors' own episode code and engine;
 2. regress the learner's ``Critic`` (trunk initialised from ``model.path``, zero head) on every
    turn's Monte-Carlo value: the mean return of the *other* plays of the instance that passed
-   through the same state (``learner.critic_eval.leave_one_out``; the turn's own return where no
+   through the same state (``learner.value.leave_one_out``; the turn's own return where no
    other play did). That target is V^π itself up to sampling noise, cleaner than the one return
    GAE with lambda 1 gives the learner;
 3. score it every 50 steps on the held-out instances (``eval.episodes`` x ``plays``) beside
@@ -29,22 +29,14 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from common.config import Config, to_dict
-from learner.batch import Batch
-from learner.critic_eval import (
-    exact_value_explained,
-    explained,
-    leave_one_out,
-    turn_returns,
-    turn_starts,
-)
-from learner.models import Critic, save_critic, shift_to_tokens
+from learner.models import Critic, save_critic
+from learner.value import Turns, explained, fit
 
 REPORT = "critic_fit.json"
 # Bumped when a report key changes meaning (2: held_out_value_function_ev is V^pi's own, no longer
@@ -53,60 +45,11 @@ REPORT_FORMAT = 2
 LR, SEGMENTS_PER_STEP, SCORE_EVERY = 1e-3, 64, 50
 
 
-class Turns:
-    """Every turn of some played episodes: (segment, first action token) rows, the realised
-    return R_t, the regression target (the Monte-Carlo value, R_t where it has none), the turns
-    another play also reached (``scored``: where the value function is defined) and V^π's
-    explained variance on them."""
-
-    def __init__(self, played: Sequence[tuple[int, list[tuple], list]], gamma: float) -> None:
-        self.segments: list = []
-        self.rows: list[tuple[int, int]] = []
-        self.returns: list[float] = []
-        keys, episode = [], []
-        for e, (seed, states, segments) in enumerate(played):
-            returns = turn_returns(segments, gamma)
-            starts = [turn_starts(seg.action_mask) for seg in segments]
-            if len(states) != len(returns):  # a turn that sampled no token: not scorable
-                continue
-            for seg, seg_starts in zip(segments, starts, strict=True):
-                self.segments.append(seg)
-                self.rows += [(len(self.segments) - 1, s) for s in seg_starts]
-            keys += [(seed, s) for s in states]
-            self.returns += returns
-            episode += [e] * len(returns)
-        self.monte_carlo = leave_one_out(keys, self.returns, episode)
-        self.exact_value_ev = exact_value_explained(keys, self.returns, episode)
-        self.targets = [
-            r if m is None else m for m, r in zip(self.monte_carlo, self.returns, strict=True)
-        ]
-        self.scored = [i for i, m in enumerate(self.monte_carlo) if m is not None]
-
-
-def values(critic: Critic, segments: list, rows: list[tuple[int, int]]) -> torch.Tensor:
-    """V at each (segment, position) of ``rows``, aligned as the learner reads it."""
-    ids, attn, _ = Batch.of(segments).inputs(list(range(len(segments))), "cpu")
-    v = shift_to_tokens(critic(ids, attn))
-    return torch.stack([v[r, s] for r, s in rows])
-
-
-def held_out_ev(critic: Critic, held: Turns, chunk: int = 256) -> float:
-    """The critic's explained variance of the held-out turns' realised returns (on the scored
-    turns, as the value function's)."""
-    out = []
-    with torch.no_grad():
-        for i in range(0, len(held.segments), chunk):
-            rows = [(r - i, s) for r, s in held.rows if i <= r < i + chunk]
-            out.append(values(critic, held.segments[i : i + chunk], rows))
-    v = torch.cat(out).tolist()
-    return explained([held.returns[i] for i in held.scored], [v[i] for i in held.scored])
-
-
 def play(cfg: Config, instances: list[tuple[int, int | None]], plays: int) -> tuple[Turns, int]:
     """``instances`` x ``plays`` episodes of ``model.path``'s policy; their turns and the tokens
     generated."""
+    from actors.chat import ChatFormat
     from actors.engines import engine_for
-    from actors.episode import ChatFormat
     from actors.evaluation import evaluate
     from common.model import load_tokenizer
 
@@ -177,31 +120,17 @@ def fit_critic(
     )
     value_function_ev = held.exact_value_ev
     critic = Critic(cfg.model.path, DTYPES[cfg.model.dtype])
-    opt = torch.optim.AdamW(critic.parameters(), lr=LR)
-    by_segment: dict[int, list[tuple[int, int]]] = {}
-    for k, (r, s) in enumerate(train.rows):
-        by_segment.setdefault(r, []).append((s, k))
-    curve = [{"step": 0, "held_out_critic_ev": held_out_ev(critic, held)}]
-    for step in range(1, steps + 1):
-        pick = rng.sample(range(len(train.segments)), min(SEGMENTS_PER_STEP, len(train.segments)))
-        rows, target = [], []
-        for j, i in enumerate(pick):
-            for s, k in by_segment.get(i, []):
-                rows.append((j, s))
-                target.append(train.targets[k])
-        if not rows:
-            continue
-        v = values(critic, [train.segments[i] for i in pick], rows)
-        loss = ((v - torch.tensor(target)) ** 2).mean()  # least squares on V^pi's estimate
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % SCORE_EVERY == 0 or step == steps:
-            curve.append({"step": step, "held_out_critic_ev": held_out_ev(critic, held)})
-            log(
-                f"step {step}: held-out critic EV {curve[-1]['held_out_critic_ev']:.3f} "
-                f"(V^pi {value_function_ev:.3f})"
-            )
+
+    def scored(point: dict) -> None:
+        log(
+            f"step {point['step']}: held-out critic EV {point['held_out_critic_ev']:.3f} "
+            f"(V^pi {value_function_ev:.3f})"
+        )
+
+    curve = fit(
+        critic, train, held, steps=steps, lr=LR, segments_per_step=SEGMENTS_PER_STEP,
+        score_every=SCORE_EVERY, rng=rng, on_score=scored,
+    )  # fmt: skip
     final = curve[-1]["held_out_critic_ev"]
     report = {
         "recipe": wanted,

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
+from actors.chat import ChatFormat
 from actors.envs import make_env
-from actors.episode import ChatFormat
 from common.model import ensure_model, load_causal_lm, load_tokenizer
 
 BASE_MODEL = "runs/models/tiny"

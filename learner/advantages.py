@@ -5,10 +5,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
+from functools import partial
+from typing import NamedTuple
 
 import torch
 
 from learner.losses import as_bool_mask, check_same_shape
+from learner.value import turn_starts
+
+
+class Targets(NamedTuple):
+    """Per-token training targets, for a segment ([T]) or a batch ([B, T])."""
+
+    advantages: torch.Tensor  # policy advantages, 0 off action tokens
+    returns: torch.Tensor  # the critic's targets (zeros when nothing learns a value)
 
 
 def adaptive_lambda(length: int, alpha: float) -> float:
@@ -147,3 +157,47 @@ def grpo_advantages(
     highest = zeros.scatter_reduce(0, group, r, reduce="amax", include_self=False)
     all_equal = (lowest == highest)[group]
     return torch.where(all_equal, 0.0, advantages)
+
+
+def segment_targets(
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    terminated: bool,
+    values: torch.Tensor,
+    end_value: float,
+    next_value: float | None,
+    *,
+    gamma: float,
+    lam: float,
+    critic_lam: float,
+    adaptive_alpha: float | None,
+    max_segment_steps: int,
+) -> Targets:
+    """GAE for one segment, cut every ``max_segment_steps`` turns (each piece bootstrapped at its cut).
+
+    ``mask``, ``rewards`` and ``values`` (V[t]) are the segment's tokens (no padding);
+    ``terminated`` whether the episode ended in it; ``end_value`` the critic's value after its last
+    token; ``next_value`` V at the first action of the episode's next segment, if the batch has it.
+    """
+    mask = mask.bool()
+    if adaptive_alpha is not None:
+        lam = adaptive_lambda(int(mask.sum()), adaptive_alpha)
+    starts = turn_starts(mask)
+    cuts = starts[max_segment_steps::max_segment_steps]  # dynamic truncation points
+    bounds = [0, *cuts, len(mask)]
+    adv, ret = torch.zeros(len(mask)), torch.zeros(len(mask))
+    for piece, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        last_piece = piece == len(bounds) - 2
+        if not last_piece:
+            ends, boot = False, float(values[hi])
+        else:
+            ends = terminated
+            boot = 0.0 if ends else (next_value if next_value is not None else end_value)
+        sl = slice(lo, hi)
+        piece_gae = partial(
+            gae, rewards[sl], values[sl], mask[sl], gamma=gamma, terminated=ends,
+            bootstrap_value=boot,
+        )  # fmt: skip
+        adv[sl] = piece_gae(lam=lam)[0]  # the policy's advantages at its lambda
+        ret[sl] = piece_gae(lam=critic_lam)[1]  # the critic's returns at its own
+    return Targets(adv, ret)

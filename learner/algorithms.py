@@ -20,9 +20,10 @@ import torch
 
 from common.config import LearnerConfig
 from common.trajectory import Segment
-from learner import data
+from learner.advantages import Targets, grpo_advantages, segment_targets
 from learner.batch import Batch
 from learner.losses import icepop, truncated_is
+from learner.value import turn_starts
 
 
 class Scores(NamedTuple):
@@ -33,11 +34,6 @@ class Scores(NamedTuple):
     end_values: torch.Tensor  # [B] the critic's value after each row's last token
     ref: torch.Tensor | None  # reference-policy log-probs (KL penalty), None without one
     entropy: torch.Tensor  # H_t of π_prox's distribution at token t (a statistic, not a loss)
-
-
-class Targets(NamedTuple):
-    advantages: torch.Tensor  # [B, T], 0 off action tokens
-    returns: torch.Tensor  # [B, T] the critic's targets (zeros when nothing learns a value)
 
 
 Estimator = Callable[[Batch, Scores, list[list[Segment]], LearnerConfig], Targets]
@@ -52,14 +48,12 @@ def gae_targets(
     advantages, returns = torch.zeros_like(scores.prox), torch.zeros_like(scores.prox)
     for i, (n, nxt) in enumerate(zip(batch.lengths.tolist(), batch.next_row.tolist(), strict=True)):
         next_value = (
-            float(scores.values[nxt][data.turn_starts(batch.action_mask[nxt])[0]])
-            if nxt >= 0
-            else None
+            float(scores.values[nxt][turn_starts(batch.action_mask[nxt])[0]]) if nxt >= 0 else None
         )
         end_value = float(scores.end_values[i])
         if lc.cut_bootstrap == "zero":  # the ablation: a cut ends its segment's return at 0
             next_value, end_value = 0.0, 0.0
-        t = data.segment_targets(
+        t = segment_targets(
             batch.action_mask[i, :n],
             batch.rewards[i, :n],
             bool(batch.terminated[i]),
@@ -81,12 +75,26 @@ def grpo_targets(
 ) -> Targets:
     """Group-relative advantages over every episode of the batch (all ranks' groups), on the
     action tokens of this rank's rows."""
-    by_episode = data.grpo_episode_advantages(episodes)
+    by_episode = grpo_episode_advantages(episodes)
     per_row = torch.tensor([by_episode[s.episode_id] for s in batch.segments])
     return Targets(batch.action_mask * per_row[:, None], torch.zeros_like(scores.prox))
 
 
 ESTIMATORS: dict[str, Estimator] = {"ppo": gae_targets, "grpo": grpo_targets}
+
+
+def episode_rewards(episodes: list[list[Segment]]) -> list[float]:
+    return [sum(s.reward for s in ep) for ep in episodes]
+
+
+def grpo_episode_advantages(episodes: list[list[Segment]]) -> dict[str, float]:
+    """GRPO: each episode's group-normalised reward, by episode id (every action token of the
+    episode gets it)."""
+    rewards = torch.tensor(episode_rewards(episodes))
+    groups = [ep[0].group_id or ep[0].episode_id for ep in episodes]
+    adv = grpo_advantages(rewards, groups)
+    return {ep[0].episode_id: a for ep, a in zip(episodes, adv.tolist(), strict=True)}
+
 
 # Advantage normalisation over the global batch's action tokens, from their mean and standard
 # deviation (all ranks). Under Adam a step's size hardly depends on the advantages' scale, but a

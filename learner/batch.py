@@ -1,4 +1,5 @@
-"""One rank's share of a broker batch as rectangular tensors, built once and read by every stage.
+"""A broker batch as the learner reads it: whole episodes split over the ranks, and one rank's
+share as rectangular tensors, built once and read by every stage.
 
 The wire decoder has already validated each segment (``common.trajectory.validate``); this module
 only lays the rows out: [B, T] tensors right-padded to the longest row, with padding that every
@@ -10,13 +11,45 @@ model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from common.trajectory import Segment
-from learner.data import micro_batches
+
+
+def group_episodes(segments: list[Segment]) -> list[list[Segment]]:
+    """Segments in broker order -> episodes (lists of segments ordered by index)."""
+    episodes: dict[str, list[Segment]] = {}
+    for seg in segments:
+        episodes.setdefault(seg.episode_id, []).append(seg)
+    return [sorted(segs, key=lambda s: s.segment) for segs in episodes.values()]
+
+
+def split_for_rank(episodes: list[list[Segment]], rank: int, world: int) -> list[list[Segment]]:
+    """Greedy token balance (longest first); every rank computes the same assignment."""
+    loads = [0] * world
+    owner: dict[int, int] = {}
+    order = sorted(range(len(episodes)), key=lambda i: -sum(s.num_tokens for s in episodes[i]))
+    for i in order:
+        r = loads.index(min(loads))
+        owner[i] = r
+        loads[r] += sum(s.num_tokens for s in episodes[i])
+    return [ep for i, ep in enumerate(episodes) if owner[i] == rank]
+
+
+def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row indices packed so that (longest × count) stays under ``max_tokens`` per micro-batch."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and lengths[batches[-1][0]] * (len(batches[-1]) + 1) <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
 
 
 @dataclass(frozen=True)
@@ -37,7 +70,7 @@ class Batch:
     @classmethod
     def of(cls, segments: list[Segment]) -> Batch:
         """Rows in the given order; an episode's segments must be consecutive and in order (as
-        ``data.group_episodes`` leaves them), which is what makes ``next_row`` the row after."""
+        ``group_episodes`` leaves them), which is what makes ``next_row`` the row after."""
         n, width = len(segments), max((s.num_tokens for s in segments), default=0)
         arrays = {
             "tokens": np.zeros((n, width), np.int64),

@@ -20,20 +20,19 @@ variances, as the learner's explained variance): EV = 1 − Var(R − V) / Var(R
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from common.config import Config
 from common.model import state_dict_for_export
 from common.trajectory import Segment
 from learner.batch import Batch
-from learner.step import Models, TrainStep, build_models, explained_variance, value_sums
+from learner.step import Models, TrainStep, build_models
 from learner.trainer import DTYPES
+from learner.value import exact_value_explained, explained, leave_one_out, turn_returns, turn_starts
 
 MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's file of the (unpartitioned) module
 
@@ -91,34 +90,6 @@ def policy_weights(models: Models) -> dict[str, torch.Tensor]:
     return state_dict_for_export(models.policy.policy)
 
 
-def turn_starts(action_mask: np.ndarray) -> list[int]:
-    """Index of each turn's first action token: where a run of action tokens begins."""
-    mask = np.asarray(action_mask, dtype=bool)
-    return [int(i) for i in np.flatnonzero(mask & ~np.r_[False, mask[:-1]])]
-
-
-def turn_returns(segments: Sequence[Segment], gamma: float) -> list[float]:
-    """R_t = r_t + γ R_{t+1} per turn of an episode (its segments in order): r_t is the reward
-    on the turn's action tokens."""
-    rewards = [
-        float(seg.rewards[start:end].sum())
-        for seg in segments
-        for start, end in _turn_spans(seg.action_mask)
-    ]
-    returns, ahead = [], 0.0
-    for r in reversed(rewards):
-        ahead = r + gamma * ahead
-        returns.append(ahead)
-    return returns[::-1]
-
-
-def _turn_spans(action_mask: np.ndarray) -> list[tuple[int, int]]:
-    """[start, end) of each turn's action tokens and the observation after them: a turn's
-    reward sits on its action tokens (``SegmentBuilder.act``)."""
-    starts = turn_starts(action_mask)
-    return list(zip(starts, [*starts[1:], len(action_mask)], strict=True))
-
-
 def critic_values(
     cfg: Config, models: Models, episodes: Sequence[Sequence[Segment]]
 ) -> list[list[float]]:
@@ -134,66 +105,6 @@ def critic_values(
         out.append([v for seg_values in per_segment[row : row + len(ep)] for v in seg_values])
         row += len(ep)
     return out
-
-
-def _others(
-    states: Sequence[Hashable], returns: Sequence[float], episode: Sequence[int]
-) -> list[tuple[float, int]]:
-    """For each turn, the sum and the count of the returns of the turns of *other* episodes in
-    the same state. (An episode visits a state at most once where the state counts turns; where
-    it can revisit one, its own visits are all left out.)"""
-    total: dict[Hashable, float] = defaultdict(float)
-    count: dict[Hashable, int] = defaultdict(int)
-    own: dict[tuple[Hashable, int], tuple[float, int]] = defaultdict(lambda: (0.0, 0))
-    for s, r, e in zip(states, returns, episode, strict=True):
-        total[s] += r
-        count[s] += 1
-        t, c = own[s, e]
-        own[s, e] = (t + r, c + 1)
-    return [
-        (total[s] - own[s, e][0], count[s] - own[s, e][1])
-        for s, e in zip(states, episode, strict=True)
-    ]
-
-
-def leave_one_out(
-    states: Sequence[Hashable], returns: Sequence[float], episode: Sequence[int]
-) -> list[float | None]:
-    """For each turn, the mean return of the turns of other episodes in the same state (the
-    Monte-Carlo value of the state); None where no other episode reached it."""
-    return [t / n if n else None for t, n in _others(states, returns, episode)]
-
-
-def exact_value_explained(
-    states: Sequence[Hashable], returns: Sequence[float], episode: Sequence[int]
-) -> float:
-    """The explained variance of V^π itself on the turns another episode also reached,
-    estimated without the sampling noise of its Monte-Carlo estimate m (the mean of the n other
-    plays' returns), which ``explained(R, m)`` counts against the value function.
-
-    Given the state, R and the n other returns are independent draws of one distribution with
-    variance σ²_s, so E[(R − m)² | s] = σ²_s (1 + 1/n) while E[(R − V^π)² | s] = σ²_s: each
-    squared residual weighted by n/(n+1) estimates V^π's, and V^π's residual has mean 0, so
-    EV = 1 − Σ (R − m)² n/(n+1) / Σ (R − R̄)². With few plays m is noisy enough that a critic
-    can "beat" it; this is the figure a critic is compared with."""
-    others = _others(states, returns, episode)
-    kept = [(r, t / n, n) for r, (t, n) in zip(returns, others, strict=True) if n]
-    if not kept:
-        return 0.0
-    r, m, n = (np.array(x, dtype=np.float64) for x in zip(*kept, strict=True))
-    var_r = float(np.var(r))
-    if var_r <= 1e-12:
-        return 0.0
-    return 1.0 - float(np.mean((r - m) ** 2 * n / (n + 1))) / var_r
-
-
-def explained(returns: Sequence[float], predictions: Sequence[float]) -> float:
-    """1 − Var(R − V) / Var(R), the learner's formula."""
-    r, v = (
-        torch.tensor(returns, dtype=torch.float64),
-        torch.tensor(predictions, dtype=torch.float64),
-    )
-    return explained_variance(value_sums(r, v))
 
 
 def score_critic(

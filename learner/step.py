@@ -13,7 +13,7 @@ micro-batch or two.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,6 +39,7 @@ from learner.models import (
     token_logprobs,
     token_logprobs_and_entropy,
 )
+from learner.value import VALUE_SUMS, explained_variance, value_sums
 
 
 class Engine(Protocol):
@@ -67,7 +68,6 @@ class Models:
 
 Reduce = Callable[[list[float], str], list[float]]
 LOSS_TERMS = ("policy_loss", "value_loss", "clip_fraction", "approx_kl")
-VALUE_SUMS = ("n", "sum_r", "sum_r2", "sum_d", "sum_d2")  # the names of value_sums' entries
 # Batches whose mean explained variance gates the critic's warm-up (learner.critic_warmup_ev):
 # one batch of 32 episodes is too noisy a measure (measured on the chain: -0.15 to 0.6 between
 # consecutive steps of one run).
@@ -82,35 +82,6 @@ def clip_epsilon(step: int, lc: LearnerConfig) -> float:
     if lc.total_steps == 0:
         return lc.clip_start
     return clip_schedule(step, lc.total_steps, start=lc.clip_start, end=lc.clip_end)
-
-
-def value_sums(returns: torch.Tensor, values: torch.Tensor) -> list[float]:
-    """[n, ΣR, ΣR², Σ(R−V), Σ(R−V)²] over the given (action) tokens, in float64.
-
-    Sums, so that ranks can all-reduce them before ``explained_variance``.
-    """
-    r, d = returns.double(), returns.double() - values.double()
-    return [
-        float(r.numel()),
-        float(r.sum()),
-        float((r**2).sum()),
-        float(d.sum()),
-        float((d**2).sum()),
-    ]
-
-
-def explained_variance(sums: Sequence[float]) -> float:
-    """1 − Var(R−V) / Var(R) from ``value_sums`` (population variances); 0 without variance.
-
-    Var, not the mean square: a critic off by a constant explains all the variance (1.0).
-    """
-    n, r, r2, d, d2 = sums
-    if n <= 0:
-        return 0.0
-    var_r = r2 / n - (r / n) ** 2
-    if var_r <= 1e-12:
-        return 0.0
-    return 1.0 - (d2 / n - (d / n) ** 2) / var_r
 
 
 @dataclass(frozen=True)

@@ -30,15 +30,15 @@ import structlog
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from common.config import Config
+from common.config import Config, LearnerConfig
 from common.log import bind_version
 from common.lora import adapter_tensors, apply_adapter, factor_pairs
 from common.metrics import Health
 from common.model import load_causal_lm, state_dict_for_export, tied_keys
 from common.trajectory import Segment
 from common.weights import pack_state_dict
-from learner import data
-from learner.batch import Batch
+from learner.algorithms import episode_rewards
+from learner.batch import Batch, group_episodes, split_for_rank
 from learner.distributed import all_reduce, any_rank, init_distributed
 from learner.link import BrokerLink, share_batch
 from learner.step import TrainStep, build_models
@@ -100,35 +100,46 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 RESUME_MODES = ("require", "auto")
 
 
+def deepspeed_engine(
+    lc: LearnerConfig, dtype: torch.dtype, scheduler: Callable[[torch.optim.Optimizer], Any]
+) -> Callable[[torch.nn.Module, float], Any]:
+    """A function that wraps a model in a DeepSpeed engine with AdamW at a learning rate (its
+    trainable parameters only: under LoRA the adapters and heads), the warm-up ``scheduler``,
+    ZeRO at ``learner.zero_stage`` and gradient clipping; one micro-batch per engine call (the
+    step accumulates its own)."""
+    import deepspeed
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": lc.grad_clip,
+        "zero_optimization": {"stage": lc.zero_stage},
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+    }
+
+    def engine(module: torch.nn.Module, lr: float) -> Any:
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=lc.weight_decay)
+        return deepspeed.initialize(
+            model=module, optimizer=opt, lr_scheduler=scheduler, config=ds_config
+        )[0]
+
+    return engine
+
+
 class Learner:
     """``resume``: None starts fresh; "require" loads the latest checkpoint and fails without one;
     "auto" loads it when there is one and starts fresh otherwise (a restarted pod)."""
 
     def __init__(self, cfg: Config, *, resume: str | None = None, health: Health | None = None):
-        import deepspeed
-
         self.cfg, self.lc = cfg, cfg.learner
         self.health = health or Health()
         self.rank, self.world = init_distributed()
         torch.manual_seed(self.lc.seed)
         dtype = DTYPES[cfg.model.dtype]
-        ds_config = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": self.lc.grad_clip,
-            "zero_optimization": {"stage": self.lc.zero_stage},
-            "bf16": {"enabled": dtype == torch.bfloat16},
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 1 << 30,
-        }
-
-        def engine(module: torch.nn.Module, lr: float) -> Any:
-            trainable = [p for p in module.parameters() if p.requires_grad]  # LoRA: adapters, heads
-            opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=self.lc.weight_decay)
-            return deepspeed.initialize(
-                model=module, optimizer=opt, lr_scheduler=self._warmup, config=ds_config
-            )[0]
-
+        engine = deepspeed_engine(self.lc, dtype, self._warmup)
         models = build_models(self.lc, cfg.model.path, dtype, engine)
         self.policy, self.critic = models.policy, models.critic
         # The engine's device: inputs, the reference model and collectives live there (CPU + gloo
@@ -290,10 +301,8 @@ class Learner:
         """One step on the global batch: this rank's whole episodes as one ``Batch``, the
         ``TrainStep`` pipeline on it, and what the step trained on."""
         t0 = time.monotonic()
-        episodes = data.group_episodes(batch)
-        mine = Batch.of(
-            [s for ep in data.split_for_rank(episodes, self.rank, self.world) for s in ep]
-        )
+        episodes = group_episodes(batch)
+        mine = Batch.of([s for ep in split_for_rank(episodes, self.rank, self.world) for s in ep])
         stats, n_tokens = self.steps(mine, episodes, self.step)
         return {
             **stats,
@@ -308,7 +317,7 @@ class Learner:
         staleness = [
             self.version - int(v) for s in batch for v in s.versions[s.action_mask.astype(bool)]
         ]
-        rewards = data.episode_rewards(episodes)
+        rewards = episode_rewards(episodes)
         return {
             "step": self.step,
             "version": self.version,

@@ -115,7 +115,7 @@ def replies(segments: list, tokenizer) -> list[str]:
 
 def test_agent_sessions_are_trained_token_for_token(agent_actor, tiny_model: Path) -> None:
     actor, learner = agent_actor
-    model_name = actor.agent.model
+    model_name = actor.driver.model
     tokenizer = load_tokenizer(tiny_model)
     texts: dict[str, list[str]] = defaultdict(list)  # session -> completion texts, in order
 
@@ -190,16 +190,16 @@ def test_bad_requests_get_openai_errors_and_the_actor_serves_on(agent_actor) -> 
     assert err.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
-            model=actor.agent.model, messages=[{"role": "robot", "content": "x"}]
+            model=actor.driver.model, messages=[{"role": "robot", "content": "x"}]
         )
     assert err.value.param == "messages[0].role"
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=actor.agent.model, messages=ok, temperature=0.3)
+        client.chat.completions.create(model=actor.driver.model, messages=ok, temperature=0.3)
     stranger = openai.OpenAI(
         base_url=session["base_url"].replace(session["id"], "nope"), api_key="x"
     )
     with pytest.raises(openai.NotFoundError):
-        stranger.chat.completions.create(model=actor.agent.model, messages=ok)
+        stranger.chat.completions.create(model=actor.driver.model, messages=ok)
     status, reply = post(
         f"{actor.server.address}/v1/sessions/{session['id']}/end", {"reward": "high"}
     )
@@ -224,7 +224,7 @@ def test_bad_requests_get_openai_errors_and_the_actor_serves_on(agent_actor) -> 
     assert huge.getresponse().status == 413
     huge.close()
     assert (counted("400"), counted("413")) == (before[0] + 3, before[1] + 1)
-    reply = client.chat.completions.create(model=actor.agent.model, messages=ok)
+    reply = client.chat.completions.create(model=actor.driver.model, messages=ok)
     assert reply.choices[0].message.role == "assistant"  # still serving after all of that
     end(actor, session, 0.0)
 
@@ -282,7 +282,7 @@ def test_the_example_agent_is_trained_on_exactly_what_it_saw(agent_actor, tiny_m
     calc_agent = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(calc_agent)
     played = [
-        calc_agent.episode(actor.server.address, actor.agent.model, seed) for seed in range(4)
+        calc_agent.episode(actor.server.address, actor.driver.model, seed) for seed in range(4)
     ]
     episodes = next_batch(learner, 4)
     tokenizer = load_tokenizer(tiny_model)

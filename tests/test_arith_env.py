@@ -6,9 +6,10 @@ import re
 
 import pytest
 
+from actors.chat import ChatFormat
 from actors.envs import ENV_NAMES, Environment, make_env
 from actors.envs.arith import arith_reward, is_bare_integer, last_integer
-from actors.episode import ChatFormat, Episode
+from actors.episode import Episode
 from common.model import load_tokenizer
 
 PROMPT = re.compile(r"^What is (\d+) ([+\-*]) (\d+)\? Answer with the number only\.$")

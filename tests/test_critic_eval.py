@@ -13,11 +13,11 @@ from test_learner import build_learner, fixed_batch, on_policy
 
 from deploy.cli import main
 from learner.batch import Batch
-from learner.critic_eval import (
+from learner.critic_eval import load_models
+from learner.value import (
     exact_value_explained,
     explained,
     leave_one_out,
-    load_models,
     turn_returns,
     turn_starts,
 )

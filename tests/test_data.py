@@ -17,15 +17,10 @@ from hypothesis import strategies as st
 
 from common.config import load_config
 from common.trajectory import Segment
+from learner.advantages import gae, segment_targets
 from learner.algorithms import ESTIMATORS, Scores
-from learner.batch import Batch
-from learner.data import (
-    group_episodes,
-    micro_batches,
-    segment_targets,
-    split_for_rank,
-    turn_starts,
-)
+from learner.batch import Batch, group_episodes, micro_batches, split_for_rank
+from learner.value import turn_starts
 
 
 def make_segment(
@@ -148,19 +143,19 @@ def test_dynamic_truncation_cuts_and_bootstraps_at_the_cut():
 
 
 def test_adaptive_lambda_depends_on_the_segment_length():
-    seg = make_segment("o" + "a" * 10)
+    """With alpha 0.5 and 10 action tokens GAE runs at lambda = 1 - 1 / (alpha * L) = 0.8,
+    whatever lam says: the advantages are GAE's at 0.8, not at 0.95."""
+    seg = make_segment("o" + "a" * 10, rewards={10: 1.0})
+    mask, rewards, _ = row(seg)
+    values = torch.linspace(0.0, 0.9, 11)
     t = segment_targets(
-        *row(seg),
-        torch.zeros(11),
-        0.0,
-        None,
-        gamma=1.0,
-        lam=0.95,
-        critic_lam=1.0,
-        adaptive_alpha=0.5,
-        max_segment_steps=50,
-    )
-    assert t.lam == pytest.approx(1 - 1 / (0.5 * 10))  # lambda = 1 - 1 / (alpha * L)
+        mask, rewards, True, values, 0.0, None, gamma=1.0, lam=0.95, critic_lam=1.0,
+        adaptive_alpha=0.5, max_segment_steps=50,
+    )  # fmt: skip
+    at = {lam: gae(rewards, values, mask.bool(), gamma=1.0, lam=lam, terminated=True)[0]
+          for lam in (0.8, 0.95)}  # fmt: skip
+    assert t.advantages.tolist() == pytest.approx(at[0.8].tolist())
+    assert t.advantages.tolist() != pytest.approx(at[0.95].tolist())
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from actors.chat import ChatFormat
 from actors.engines import Generation
 from actors.envs import make_env
 from actors.envs.maze import make_layout, next_move
-from actors.episode import ChatFormat, Episode
+from actors.episode import Episode
 from common.model import load_tokenizer
 
 

@@ -30,17 +30,17 @@ def test_plain_completions_take_no_permit_and_train_nothing(agent_actor) -> None
     actor, learner = agent_actor
     client = openai.OpenAI(base_url=f"{actor.server.address}/v1", api_key="unused")
     reply = client.chat.completions.create(
-        model=actor.agent.model, messages=[{"role": "user", "content": "hi"}], temperature=0.5
+        model=actor.driver.model, messages=[{"role": "user", "content": "hi"}], temperature=0.5
     )
     assert reply.choices[0].message.role == "assistant" and reply.usage.completion_tokens > 0
     stats = learner.stats()
     assert stats["permits_in_use"] == 0 and stats["queued_episodes"] == 0
-    assert not actor.agent.sessions and not actor.agent.plain
+    assert not actor.driver.sessions and not actor.driver.plain
 
 
 def test_the_judge_asks_a_real_endpoint_and_counts_what_it_got(agent_actor) -> None:  # noqa: F811
     actor, _ = agent_actor
-    judge = LLMJudge(f"{actor.server.address}/v1", actor.agent.model, on_failure="allow")
+    judge = LLMJudge(f"{actor.server.address}/v1", actor.driver.model, on_failure="allow")
     verdicts = [judge(call) for call in ("read src/main.py", "read answers.txt")]
     assert sum(judge.outcomes.values()) == 2
     assert set(judge.outcomes) <= {"hack", "ok", "garbage"}  # it answered, in time

@@ -35,13 +35,13 @@ from common.trajectory import Segment
 from common.transport import TransportError
 from common.weights import pack_state_dict, unpack_state_dict
 from deploy.cli import build_parser
-from learner import data
 from learner.algorithms import Targets
-from learner.batch import Batch
+from learner.batch import Batch, group_episodes, micro_batches, split_for_rank
 from learner.link import PUBLISH_GROUP
 from learner.models import Policy, token_logprobs
-from learner.step import EV_WINDOW, TrainStep, clip_epsilon, explained_variance, value_sums
+from learner.step import EV_WINDOW, TrainStep, clip_epsilon
 from learner.trainer import Learner
+from learner.value import explained_variance, value_sums
 
 COMPARED = (
     "policy_loss",
@@ -203,8 +203,8 @@ def test_fully_mismatched_batch_leaves_the_policy_untouched(new_learner):
 def test_micro_batches_do_not_change_the_update(new_learner):
     batch = fixed_batch()
     assert (
-        len(data.micro_batches(lengths(batch), 16)) == len(batch)
-        and len(data.micro_batches(lengths(batch), 4096)) == 1
+        len(micro_batches(lengths(batch), 16)) == len(batch)
+        and len(micro_batches(lengths(batch), 4096)) == 1
     )
     one, many = (
         new_learner("learner.micro_batch_tokens=4096"),
@@ -250,7 +250,7 @@ def test_two_ranks_take_the_same_step_and_stop_together(
     new_learner, tiny_model, tmp_path, zero_stage
 ):
     batch = fixed_batch()
-    shares = [data.split_for_rank(data.group_episodes(batch), r, 2) for r in range(2)]
+    shares = [split_for_rank(group_episodes(batch), r, 2) for r in range(2)]
     assert all(shares), "both ranks must get episodes"
     mp.spawn(
         train_one_rank, args=(2, free_port(), tiny_model, tmp_path, zero_stage, batch), nprocs=2
@@ -431,7 +431,7 @@ def test_the_entropy_bonus_alone_moves_the_policy_towards_more_entropy(new_learn
 def test_advantage_normalisation_uses_the_action_tokens_only(norm):
     """Centred: mean 0 over action tokens; whitened: also std 1; observations and padding stay 0."""
     lc = load_config(None, [f"learner.advantage_norm={norm}"]).learner
-    batch = Batch.of([s for ep in data.group_episodes(fixed_batch()) for s in ep])
+    batch = Batch.of([s for ep in group_episodes(fixed_batch()) for s in ep])
     mask = batch.action_mask
     raw = torch.where(mask, torch.linspace(-1.0, 3.0, mask.numel()).reshape(mask.shape), 0.0)
     zeros = torch.zeros(mask.shape)
@@ -629,7 +629,7 @@ def test_long_phases_keep_the_liveness_watchdog_fed(new_learner, tiny_model):
     learner = new_learner("learner.micro_batch_tokens=16", "learner.weight_chunk_bytes=4096")
     learner.health = learner.link.health = health = RecordingHealth()
     batch = on_policy(fixed_batch(), tiny_model)
-    n_micro = len(data.micro_batches(lengths(batch), 16))
+    n_micro = len(micro_batches(lengths(batch), 16))
     learner.train_step(batch)
     assert health.beats.count("scoring the batch") == n_micro
     assert health.beats.count("training") == 2 * n_micro  # critic, then policy

@@ -76,7 +76,7 @@ def test_an_engine_step_three_times_the_heartbeat_timeout_is_not_taken_for_death
         "actor.id=slow",
     )
     actor = Actor(cfg)
-    actor.engine = actor.rollouts.engine = SimulatedEngine(
+    actor.engine = actor.driver.rollouts.engine = SimulatedEngine(
         str(tiny_model), median_token_latency_s=3.0, latency_sigma=0.0, seed=0
     )
     stop, thread = run_in_thread(actor)
@@ -167,7 +167,7 @@ def test_a_refused_version_leaves_the_actor_alive_quiet_and_not_ready(
         wait_until(lambda: actor.health.ready, 60, "the actor to load version 0")
         learner.send_weights(*adapter_for_another_base(1))
         wait_until(lambda: actor.refused == 1, 30, "the actor to refuse version 1")
-        wait_until(lambda: not actor.rollouts, 60, "the episodes in flight to finish")
+        wait_until(lambda: not len(actor.driver), 60, "the episodes in flight to finish")
         time.sleep(0.5)
         calls.clear()
         time.sleep(3.0)

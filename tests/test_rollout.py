@@ -18,10 +18,11 @@ from broker_peers import ScriptedLearner
 from test_broker import start_broker, wait_until  # noqa: F401  (the fixture)
 
 from actors.actor import Actor
+from actors.chat import ChatFormat
 from actors.engines import TorchEngine
 from actors.envs import make_env
-from actors.episode import ChatFormat, Episode
-from actors.rollout import Rollouts
+from actors.episode import Episode
+from actors.play import Rollouts
 from common.config import load_config
 
 
@@ -121,8 +122,8 @@ def test_the_actor_fills_its_slots_from_a_real_broker(start_broker, tiny_model: 
     )
     actor = Actor(cfg)
     in_flight = []
-    play = actor.play
-    actor.play = lambda: (in_flight.append(len(actor.rollouts)), play())[1]
+    step = actor.driver.step
+    actor.driver.step = lambda: (in_flight.append(len(actor.driver)), step())[1]
     stop = threading.Event()
     runner = threading.Thread(target=actor.run, args=(stop.is_set,))
     runner.start()

@@ -134,8 +134,8 @@ def engine_vs_learner(smollm2: Path, dtype: str) -> tuple[torch.Tensor, list]:
     The engine's batch is left-padded with a KV cache; the learner's is right-padded and scored
     in one forward pass, as in training.
     """
+    from actors.chat import ChatFormat
     from actors.engines import SamplingParams, TorchEngine
-    from actors.episode import ChatFormat
     from learner.models import Policy, token_logprobs
 
     engine = TorchEngine(str(smollm2), dtype=dtype)
