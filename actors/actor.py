@@ -33,6 +33,7 @@ from common.config import Config
 from common.log import bind_version
 from common.metrics import Health
 from common.model import load_tokenizer
+from common.pieces import Pieces
 from common.transport import TransportError
 
 log = structlog.get_logger()
@@ -50,6 +51,24 @@ M_SYNC = Histogram(
     "asyncppo_actor_weight_sync_seconds",
     "Seconds to fetch and load a new policy version.",
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
+M_FIRST_BYTE, M_TRANSFER, M_VERIFY, M_LOAD, M_PAUSE = (
+    Histogram(
+        f"asyncppo_actor_weights_{name}_seconds",
+        doc,
+        buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+    )
+    for name, doc in (
+        ("first_byte", "From the start of a version's download to its first chunk."),
+        ("transfer", "From the start of a version's download to its last chunk."),
+        ("verify", "Checking a downloaded version's tensors (sha256)."),
+        ("load", "Loading a verified version into the engine (rollouts wait meanwhile)."),
+        (
+            "pause",
+            "Time rollouts were held for a version: slots free, the held version too "
+            "old to play (docs/protocol.md §7), until the new one was loaded.",
+        ),
+    )
 )
 M_VERSION = Gauge(
     "asyncppo_actor_policy_version", "Policy version loaded in the engine (-1: none yet)."
@@ -79,7 +98,7 @@ M_ENV_ERRORS = Counter(
     ["during"],
 )
 PERMIT_RETRY_S = 0.5  # while episodes or sessions are in flight, ask for permits at most this often
-IDLE_S = 0.2  # with nothing to play (no weights, a refused version): look again after this
+IDLE_S = 0.05  # with nothing to play (no weights yet, a version to fetch): look again after this
 
 
 def actor_id(cfg: Config) -> str:
@@ -130,6 +149,7 @@ class Actor:
             held=self.driver.held_permits,
         )  # fmt: skip
         self.refused = -1  # the newest version the engine refused: not fetched again
+        self._held_since: float | None = None  # since when rollouts wait for a version
         self._next_permits = 0.0  # after a WAIT while busy: when to ask again
         log.info(
             "actor starting",
@@ -151,14 +171,41 @@ class Actor:
         (they are granted only at the latest version) until a newer one it can load."""
         return 0 <= self.link.latest <= self.refused
 
-    def sync_weights(self) -> None:
-        """Load the newest complete version if it is newer than the engine's. A version the
-        engine cannot take is logged, counted and skipped: the actor keeps its own."""
+    def playable(self) -> bool:
+        """Whether the engine's version may start episodes (docs/protocol.md §7): the latest,
+        or with η ≥ 2 one of the η − 1 before it, so the actor plays on while it fetches."""
+        return self.link.latest - self.engine.version <= max(self.link.max_staleness - 1, 0)
+
+    def follow_versions(self) -> None:
+        """Swap in a version whose download finished (between engine steps, so also in the
+        middle of a turn); start fetching a newer one the broker announced. The download runs in
+        the link's thread while the actor plays on."""
+        weights = self.link.weights
+        done = weights.take()
+        if done is not None:
+            self._load(done)
+        if self.behind() and not weights.busy():
+            manifest = weights.newest()
+            if manifest is not None and manifest["version"] > max(
+                self.engine.version, self.refused
+            ):
+                weights.start(manifest)
+
+    def sync_weights(self, timeout_s: float = 60.0) -> None:
+        """Fetch the newest version and load it now (what the loop does over several turns)."""
+        self.follow_versions()
+        deadline = time.monotonic() + timeout_s
+        while self.link.weights.busy() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.follow_versions()
+
+    def _load(self, pieces: Pieces) -> None:
+        """Load a complete version, every tensor's sha256 checked first. A version the engine
+        cannot take is logged, counted and skipped: the actor keeps its own."""
+        manifest, started = pieces.manifest, self.link.weights.started_at
         t0 = time.monotonic()
-        fetched = self.link.fetch_weights(max(self.engine.version, self.refused))
-        if fetched is None:
-            return
-        manifest, tensors = fetched
+        tensors = pieces.tensors()
+        t1 = time.monotonic()
         try:
             self.engine.load_version(manifest, tensors)
         except ValueError as exc:
@@ -172,14 +219,23 @@ class Actor:
                 error=str(exc),
             )
             return
+        now = time.monotonic()
+        M_FIRST_BYTE.observe(pieces.first_at - started)
+        M_TRANSFER.observe(pieces.done_at - started)
+        M_VERIFY.observe(t1 - t0)
+        M_LOAD.observe(now - t1)
+        M_SYNC.observe(now - started)
+        if self._held_since is not None:
+            M_PAUSE.observe(now - self._held_since)
+            self._held_since = None
         M_VERSION.set(manifest["version"])
-        M_SYNC.observe(time.monotonic() - t0)
         bind_version(manifest["version"])
         log.info(
             "weights loaded",
             version=manifest["version"],
             bytes=manifest["total_bytes"],
-            seconds=round(time.monotonic() - t0, 3),
+            transfer_s=round(pieces.done_at - started, 3),
+            load_s=round(now - t1, 3),
         )
 
     # -------------------------------------------------------------- permits
@@ -188,13 +244,13 @@ class Actor:
         for; or, when not parked (the driver has work meanwhile), ask again only after
         PERMIT_RETRY_S; or sleep as the broker says."""
         wants = self.driver.wants()
-        if wants.n < 1 or (not wants.wait and time.monotonic() < self._next_permits):
+        if wants.n < 1 or time.monotonic() < self._next_permits:
             return []
         reply = self.link.permits(wants.n, wants.group, self.engine.version, wait=wants.wait)
         if reply.kind == "PERMITS":
             return reply.header["permits"]
-        if reply.header["reason"] == "stale_weights":
-            self.sync_weights()
+        if reply.header["reason"] == "stale_weights":  # the fetch is under way: ask later
+            self._next_permits = time.monotonic() + PERMIT_RETRY_S
         elif not wants.wait:
             self._next_permits = time.monotonic() + max(
                 PERMIT_RETRY_S, reply.header["retry_after_s"]
@@ -220,15 +276,17 @@ class Actor:
 
     def turn(self) -> None:
         """One pass of the loop: versions, permits, one driver step, its outcome."""
-        if self.behind() or self.engine.version < 0:
-            self.sync_weights()
+        self.follow_versions()
         # Ready while it can play the latest version; a refused one leaves it alive (its loop
         # runs) but not ready, and it asks for nothing until a newer version.
-        self.health.ready = self.engine.version >= 0 and not self.refused_latest()
-        if self.health.ready:
+        ready = self.health.ready = self.engine.version >= 0 and not self.refused_latest()
+        can_ask = ready and self.playable()
+        if can_ask:
             self.absorb(self.driver.start(self.request_permits()))
-        if not len(self.driver) and not self.health.ready and self.server is None:
-            self.health.beat(self._idle_reason())
+        elif ready and self.driver.wants().n and self._held_since is None:
+            self._held_since = time.monotonic()  # rollouts wait for the version being fetched
+        if not len(self.driver) and self.server is None:
+            self.health.beat(self._idle_reason())  # nothing to play: look again shortly
             time.sleep(IDLE_S)
             return
         self.health.beat(
@@ -259,9 +317,13 @@ class Actor:
             self.link.hello()
 
     def _idle_reason(self) -> str:
-        if self.engine.version < 0 and self.refused < 0:
+        if self.refused_latest():
+            return f"waiting for a version this engine can load (it refused v{self.refused})"
+        if self.link.weights.busy():
+            return f"fetching version {self.link.weights.downloading.version}"
+        if self.engine.version < 0:
             return "waiting for weights"
-        return f"waiting for a version this engine can load (it refused v{self.refused})"
+        return "waiting for permits"
 
     def close(self) -> None:
         if self.server is not None:

@@ -36,6 +36,7 @@ from actors.play import play
 from common.config import Config
 from common.log import bind_version
 from common.metrics import Health
+from common.pieces import Pieces
 from common.protocol import Message
 from common.retry import call_with_retry
 from common.transport import TransportError
@@ -234,7 +235,7 @@ def eval_client(
             should_stop=should_stop,
         )
 
-    return WeightsClient(client, info)
+    return WeightsClient(cfg, client, info, should_stop=should_stop)
 
 
 def fetch_version(cfg: Config, engine: Engine) -> bool:
@@ -278,15 +279,15 @@ def follow(
             newest = manifest["version"] if manifest is not None else -1
             final = finishing()
             due = newest >= 0 and (last is None or newest >= last + (1 if final else every))
-            tensors = weights.download(manifest) if due and newest > engine.version else None
-            if tensors is None:
+            pieces = weights.download(Pieces(manifest)) if due and newest > engine.version else None
+            if pieces is None:
                 if final:
                     return  # the newest version is scored
                 health.beat("waiting for a version to evaluate")
                 time.sleep(0.5)
                 continue
             try:
-                engine.load_version(manifest, tensors)
+                engine.load_version(manifest, pieces.tensors())
             except ValueError as exc:  # an adapter for another base model, ...: the next one
                 log.error("weights refused", version=newest, error=str(exc))
                 last = newest

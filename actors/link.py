@@ -1,16 +1,21 @@
-"""The actors' link to the broker: the one module of ``actors/`` that speaks the protocol.
+"""The actors' link to the broker and to their peers: the one module of ``actors/`` that speaks
+the protocol.
 
 Three small jobs (docs/protocol.md §8 *Actor*): permits before episodes, an *adder* that streams
-finished segments out, and a *variable client* (``WeightsClient``) that brings newer weights in;
-the evaluator uses the variable client alone, on a connection that registers nothing. Every
-request survives broker restarts (``common.retry``); a broker that forgot the actor gets its
-HELLO again, naming the permits still being played. Liveness is a heartbeat thread on the same
-connection (``common.heartbeat``), whatever the actor's loop is busy with.
+finished segments out, and a *variable client* (``WeightsClient``) that brings newer weights in:
+the newest manifest from the broker, its chunks from the peers the broker names (§6.3), each
+checked as it arrives and served on to the next actor at once, in a thread of its own while the
+actor plays on. The evaluator uses the variable client alone, on a connection that registers
+nothing. Every request survives broker restarts (``common.retry``); a broker that forgot the
+actor gets its HELLO again, naming the permits still being played. Liveness is a heartbeat thread
+on the same connection (``common.heartbeat``), whatever the actor's loop is busy with.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,11 +24,12 @@ import structlog
 from common.config import Config
 from common.heartbeat import Heartbeat
 from common.metrics import Health
+from common.peers import PeerServer, Source, fetch
+from common.pieces import Pieces
 from common.protocol import Message
 from common.retry import call_with_retry
 from common.trajectory import Segment
 from common.transport import Client, Endpoint, TransportError
-from common.weights import unpack_state_dict
 
 log = structlog.get_logger()
 HEARTBEAT_EVERY_S = 0.5  # an actor hears of a new version within this (HEARTBEAT_ACK)
@@ -43,38 +49,88 @@ def broker_client(
 
 
 class WeightsClient:
-    """WEIGHTS_INFO and WEIGHTS_GET, which need no HELLO. ``info()`` sends the WEIGHTS_INFO (with
-    its caller's retry policy); chunks are pipelined and every tensor's sha256 checked."""
+    """Versions in: WEIGHTS_INFO for the newest manifest (``info()``, with its caller's retry
+    policy), WEIGHTS_WHERE for whom to fetch it from, the chunks from there (``common.peers``).
+    With a ``server`` (this actor's chunk server) every chunk is served on the moment it is in.
+    ``start`` fetches in a thread, so the actor plays on; ``take`` hands a finished version over
+    once."""
 
-    def __init__(self, client: Client, info: Callable[[], Message]) -> None:
-        self.client, self.info = client, info
+    def __init__(
+        self,
+        cfg: Config,
+        client: Client,
+        info: Callable[[], Message],
+        *,
+        server: PeerServer | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.client, self.info, self.server, self.should_stop = client, info, server, should_stop
+        self.stall_s = cfg.actor.weights_stall_s
+        self.downloading: Pieces | None = None
+        self.started_at = 0.0
+        self._done: Pieces | None = None
+        self._thread: threading.Thread | None = None
 
     def newest(self) -> dict | None:
         """The manifest of the newest complete version, None while there is none."""
         reply = self.info()
         return reply.header["manifest"] if reply.kind == "WEIGHTS_MANIFEST" else None
 
-    def download(self, manifest: dict) -> dict[str, Any] | None:
-        """The version's tensors, None when it went away during the download (a newer one
-        replaced it) or the download was interrupted."""
-        version = manifest["version"]
+    def where(self, version: int, failed: list[str]) -> Source:
+        """Whom to fetch ``version`` from (the broker's choice); waits out ``no_source``."""
+        reply = call_with_retry(
+            lambda: self.client.request("WEIGHTS_WHERE", {"version": version, "failed": failed}),
+            what="WEIGHTS_WHERE",
+            health=Health(),  # the fetching thread's waits are not the loop's
+            should_stop=self.should_stop,
+        )
+        return Source(**reply.header["source"])
+
+    def download(self, pieces: Pieces) -> Pieces | None:
+        """Every chunk of ``pieces``' version, checked; None when it went away meanwhile (a newer
+        one replaced it) or the actor is stopping."""
+        if self.server is not None:
+            self.server.offer(pieces)
         try:
-            chunks = self.client.pipeline(
-                "WEIGHTS_GET",
-                [{"version": version, "chunk": i} for i in range(len(manifest["chunks"]))],
-            )
+            done = fetch(
+                pieces, lambda failed: self.where(pieces.version, failed), self.client.endpoint,
+                self.client.client_id, stall_s=self.stall_s, should_stop=self.should_stop,
+            )  # fmt: skip
         except TransportError as exc:
-            log.warning("weight download interrupted", version=version, error=str(exc))
+            log.warning("weight download abandoned", version=pieces.version, error=str(exc))
             return None
-        return unpack_state_dict(manifest, [m.tensors["data"] for m in chunks])
+        return pieces if done else None
 
     def fetch_newer(self, have: int) -> tuple[dict, dict[str, Any]] | None:
         """The newest version if it is newer than ``have``: (manifest, tensors), else None."""
         manifest = self.newest()
         if manifest is None or manifest["version"] <= have:
             return None
-        tensors = self.download(manifest)
-        return None if tensors is None else (manifest, tensors)
+        pieces = self.download(Pieces(manifest))
+        return None if pieces is None else (manifest, pieces.tensors())
+
+    def start(self, manifest: dict) -> None:
+        """Fetch ``manifest``'s version in a thread (unless one is being fetched)."""
+        if self.busy():
+            return
+        self.started_at = time.monotonic()
+        pieces = self.downloading = Pieces(manifest)
+
+        def run() -> None:
+            self._done = self.download(pieces)
+
+        self._thread = threading.Thread(target=run, name="weights", daemon=True)
+        self._thread.start()
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def take(self) -> Pieces | None:
+        """A version whose download finished since the last call, once."""
+        if self._thread is None or self._thread.is_alive():
+            return None
+        done, self._done, self._thread = self._done, None, None
+        return done
 
 
 class BrokerLink:
@@ -93,8 +149,14 @@ class BrokerLink:
         self.health, self.version, self.held = health, version, held
         self.should_stop: Callable[[], bool] = lambda: False
         self.client = broker_client(cfg, actor_id, lambda: self.should_stop())
-        self.weights = WeightsClient(self.client, lambda: self.call("WEIGHTS_INFO"))
+        bind = cfg.actor.peer_bind
+        self.server = PeerServer(self.client.endpoint, bind) if bind else None
+        self.weights = WeightsClient(
+            cfg, self.client, lambda: self.call("WEIGHTS_INFO"), server=self.server,
+            should_stop=lambda: self.should_stop(),
+        )  # fmt: skip
         self.latest = -1  # the newest version the broker announced
+        self.max_staleness = 0  # η, as WELCOME says
         self.heartbeat_s = cfg.broker.heartbeat_timeout_s / 3  # until WELCOME says
         self.heartbeat: Heartbeat | None = None  # from the first WELCOME on
 
@@ -119,6 +181,7 @@ class BrokerLink:
         staleness bound our episodes are held to (logged for the operator)."""
         self.latest = reply.header["latest_version"]
         self.heartbeat_s = reply.header["heartbeat_s"]
+        self.max_staleness = reply.header["max_staleness"]
         log.info(
             "registered with the broker",
             latest_version=self.latest,
@@ -127,7 +190,8 @@ class BrokerLink:
         )
 
     def _hello_header(self) -> dict[str, Any]:
-        return {"role": "actor", "version": self.version(), "held_permits": self.held()}
+        header = {"role": "actor", "version": self.version(), "held_permits": self.held()}
+        return header | ({"peer_port": self.server.port} if self.server is not None else {})
 
     def register(self) -> None:
         """The first HELLO, retried until the broker takes it (``id_taken`` waits out the lease
@@ -168,17 +232,11 @@ class BrokerLink:
             log.info("episode dropped by the broker", traj_id=seg.traj_id, reason=dropped)
         return dropped
 
-    # -------------------------------------------------- the variable client
-    def fetch_weights(self, have: int) -> tuple[dict, dict[str, Any]] | None:
-        """The newest complete version if it is newer than ``have`` (``WeightsClient``)."""
-        fetched = self.weights.fetch_newer(have)
-        if fetched is not None:
-            self.latest = max(self.latest, fetched[0]["version"])
-        return fetched
-
     def close(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        if self.server is not None:
+            self.server.close()
         with contextlib.suppress(TransportError):  # a gone broker reclaims by heartbeat timeout
             self.client.request("BYE", timeout_s=1.0, interruptible=False)
         self.client.close()

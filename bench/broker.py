@@ -2,9 +2,7 @@
 
 * Trajectories: actor process -> broker process -> learner process, against raw PUSH/PULL between
   two processes carrying the same frames (a segment's arrays of 4 KB, 256 KB and 4 MB).
-* Weight fan-out: a 256 MB (and, without --quick, 1 GB) weight set to 1, 4 and 16 downloader
-  processes, against N x one raw single-hop transfer of the same bytes (a bare ROUTER chunk server,
-  the same 64 MiB chunks, the same pipelining window and the same sha256 check per chunk).
+* (Weights no longer pass through the broker: bench/weights.py measures their distribution.)
 * 256 simulated actors connected at once (threads of one process, one DEALER each): broker RSS,
   throughput against 4 actors doing the same total work, nothing lost.
 
@@ -23,7 +21,6 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse  # noqa: E402
-import hashlib  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
 import os  # noqa: E402
@@ -40,24 +37,19 @@ import zmq  # noqa: E402
 
 from common.protocol import encode  # noqa: E402
 from common.transport import send  # noqa: E402
-from common.weights import pack_state_dict  # noqa: E402
 from tests.broker_peers import (  # noqa: E402
     BYTES_PER_TOKEN,
     BrokerProcess,
     Peer,
     ScriptedActor,
     ScriptedLearner,
-    fetch_chunks,
     make_segment,
-    synthetic_weights,
 )
 
 MP = multiprocessing.get_context("spawn")
 LOCAL = "tcp://127.0.0.1"
 MB = 1 << 20
-CHUNK_BYTES = 64 * MB  # the learner's default weight_chunk_bytes
 WINDOW = 4  # requests in flight per client (Client.pipeline's default)
-DOWNLOAD_BYTES = 4 << 30  # every downloader holds a whole copy: at most this much at once
 BATCH, PUBLISH_EVERY = 16, 4  # trajectory runs: capacity (1 + 1) * 4 * 16 = 128 episodes
 SWARM_TOKENS = 64  # ~1 KB segments: the 256-actor run measures messages, not bytes
 
@@ -260,152 +252,6 @@ def trajectories(tmp: Path, payload: int, count: int, repeats: int) -> dict:
     return row
 
 
-# ------------------------------------------------------------------ weight fan-out
-def fetch_from_broker(address: str, index: int) -> dict:
-    """What an actor does on a new version: the manifest, then every chunk, sha256-checked."""
-    peer = Peer(address, f"downloader-{index}", timeout_s=300)
-    manifest = peer.request("WEIGHTS_INFO").header["manifest"]
-    nbytes = sum(c.nbytes for c in fetch_chunks(peer.client, manifest, window=WINDOW))
-    peer.close()
-    return {"end": time.monotonic(), "nbytes": nbytes}
-
-
-def fetch_raw(address: str, shas: list[str]) -> dict:
-    """The same chunks from a bare ROUTER, same window, same sha256 check after the last one."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.connect(address)
-    chunks = []
-    for i in range(len(shas)):
-        if i >= WINDOW:
-            chunks.append(sock.recv(copy=False))
-        sock.send(str(i).encode())
-    while len(chunks) < len(shas):
-        chunks.append(sock.recv(copy=False))
-    received = time.monotonic()
-    for chunk, sha in zip(chunks, shas, strict=True):
-        if hashlib.sha256(chunk.buffer).hexdigest() != sha:
-            raise ValueError("raw transfer: a chunk's sha256 does not match")
-    sock.close(linger=0)
-    return {"received": received, "end": time.monotonic(), "nbytes": sum(len(c) for c in chunks)}
-
-
-def downloader(tasks: Any, out: Any) -> None:
-    """A pooled downloader process: runs fetches until it gets None."""
-    fetchers = {"broker": fetch_from_broker, "raw": fetch_raw}
-    while (task := tasks.get()) is not None:
-        kind, args = task
-        out.put(fetchers[kind](*args))
-
-
-def raw_chunk_server(nbytes: int, chunk_bytes: int, ready: Any) -> None:
-    """The baseline's sender: chunk i for each request "i", zero-copy."""
-    data = np.frombuffer(np.random.default_rng(0).bytes(nbytes), np.uint8)
-    chunks = [data[i : i + chunk_bytes] for i in range(0, nbytes, chunk_bytes)]
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    port = sock.bind_to_random_port(LOCAL)
-    ready.put((f"{LOCAL}:{port}", [hashlib.sha256(c).hexdigest() for c in chunks]))
-    while True:
-        ident, index = sock.recv_multipart()
-        sock.send_multipart([ident, chunks[int(index)]], copy=False)
-
-
-class Pool:
-    """Downloader processes started once (their start-up is not timed), fed fetch tasks."""
-
-    def __init__(self, size: int):
-        self.tasks = [MP.Queue() for _ in range(size)]
-        self.out = MP.Queue()
-        self.procs = [process(downloader, q, self.out) for q in self.tasks]
-        for p in self.procs:
-            p.start()
-
-    def run(self, kind: str, args_of: Any, n: int, at_once: int) -> tuple[float, list[dict]]:
-        """n fetches, at most ``at_once`` concurrently (in waves); total seconds and the results."""
-        total, results = 0.0, []
-        for wave in range(0, n, at_once):
-            size = min(at_once, n - wave)
-            start = time.monotonic()
-            for i in range(size):
-                self.tasks[i].put((kind, args_of(wave + i)))
-            done = [self.out.get(timeout=900) for _ in range(size)]
-            total += max(r["end"] for r in done) - start
-            results += [{**r, "start": start} for r in done]
-        return total, results
-
-    def close(self) -> None:
-        for q in self.tasks:
-            q.put(None)
-        for p in self.procs:
-            p.join()
-
-
-def fanout(tmp: Path, pool: Pool, nbytes: int, actors: tuple[int, ...], repeats: int) -> dict:
-    """Broker and raw chunk server up together; rounds of (one raw hop, the broker to each N),
-    best of ``repeats`` each, so load from elsewhere hits both alike."""
-    ready = MP.Queue()
-    server = process(raw_chunk_server, nbytes, CHUNK_BYTES, ready)
-    server.start()
-    raw_address, shas = ready.get(timeout=300)
-    with BrokerProcess(tmp / f"fanout-{nbytes}.log", {"run.log_format": "json"}) as broker:
-        learner = ScriptedLearner(broker.address, "bench-learner", timeout_s=300)
-        learner.hello(batch_size=1)
-        manifest, chunks = pack_state_dict(synthetic_weights(nbytes), 0, CHUNK_BYTES)
-        start = time.monotonic()
-        learner.send_weights(manifest, chunks)
-        publish_s = time.monotonic() - start
-        del chunks  # the learner's copy: its memory goes to the downloaders
-        learner.close()
-        free = psutil.virtual_memory().available - (1 << 30)
-        at_once = max(1, min(16, DOWNLOAD_BYTES // nbytes, free // nbytes))
-        hops, transfers, best = [], [], dict.fromkeys(actors, float("inf"))
-        for _ in range(repeats):
-            (hop,) = pool.run("raw", lambda i: (raw_address, shas), 1, 1)[1]
-            hops.append(hop["end"] - hop["start"])
-            transfers.append(hop["received"] - hop["start"])
-            for n in actors:
-                seconds, results = pool.run(
-                    "broker", lambda i: (broker.address, i), n, min(n, at_once)
-                )
-                assert all(r["nbytes"] == nbytes for r in results)
-                best[n] = min(best[n], seconds)
-        rss = psutil.Process(broker.proc.pid).memory_info().rss
-    server.kill()
-    server.join()
-    hop_s = min(hops)
-    runs = []
-    for n, seconds in best.items():
-        runs.append(
-            {
-                "actors": n,
-                "concurrent": min(n, at_once),
-                "broker_seconds": seconds,
-                "baseline_seconds": n * hop_s,
-                "ratio_broker_over_baseline": seconds / (n * hop_s),
-            }
-        )
-        print(
-            f"fan-out {nbytes / MB:5.0f} MB to {n:2d} actors ({min(n, at_once):2d} at once): "
-            f"broker {seconds:6.2f} s  {n:2d} x raw hop {n * hop_s:6.2f} s  "
-            f"ratio {seconds / (n * hop_s):.2f}",
-            flush=True,
-        )
-    print(
-        f"publish {nbytes / MB:5.0f} MB learner -> broker {publish_s:.2f} s (raw hop {hop_s:.2f} s)",
-        flush=True,
-    )
-    return {
-        "weights_bytes": nbytes,
-        "chunk_bytes": CHUNK_BYTES,
-        "repeats": repeats,
-        "publish_seconds": publish_s,
-        "raw_hop_seconds": hop_s,
-        "raw_hop_transfer_only_seconds": min(transfers),
-        "broker_rss_bytes_after": rss,
-        "runs": runs,
-    }
-
-
-# ------------------------------------------------------------------ many actors
 def swarm(address: str, actors: int, episodes: int, ready: Any, go: Any, out: Any) -> None:
     """``actors`` ScriptedActors on threads of this process, each on its own DEALER socket."""
     connected = threading.Barrier(actors + 1)
@@ -496,7 +342,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, (ax1, ax3) = plt.subplots(1, 2, figsize=(11, 4.5))
     rows = report["trajectories"]
     x = np.arange(len(rows))
     ax1.bar(x - 0.27, [r["raw_mb_per_s"] for r in rows], 0.27, label="raw PUSH/PULL (1 hop)")
@@ -516,26 +362,6 @@ def plot(report: dict, path: Path) -> None:
     ax1.set_yscale("log")
     ax1.set(title="Trajectory throughput", xlabel="segment payload", ylabel="MB/s")
     ax1.legend(loc="upper left", fontsize=8)
-    for fan in report["fanout"]:
-        n = [r["actors"] for r in fan["runs"]]
-        label = size_label(fan["weights_bytes"])
-        line = ax2.plot(
-            n, [r["broker_seconds"] for r in fan["runs"]], "o-", label=f"{label} broker"
-        )[0]
-        ax2.plot(
-            n,
-            [r["baseline_seconds"] for r in fan["runs"]],
-            "s--",
-            color=line.get_color(),
-            label=f"{label} N x raw hop",
-        )
-    ax2.set_xscale("log", base=2)
-    ax2.set_xticks([1, 4, 16], ["1", "4", "16"])
-    ax2.set_yscale("log")
-    ax2.set(
-        title="Weight fan-out (sha256-checked)", xlabel="actors", ylabel="seconds until all have it"
-    )
-    ax2.legend(fontsize=8)
     swarm_rows = report["many_actors"]
     labels = [f"{r['actors']} actors" for r in swarm_rows]
     ax3.bar(labels, [r["segments_per_s"] for r in swarm_rows], color="tab:green")
@@ -574,7 +400,6 @@ def main() -> None:
         256 << 10: 208 if q else 1600,
         4 << 20: 32 if q else 160,
     }
-    weights = [256 * MB] if q else [256 * MB, 1024 * MB]
     episodes = 4 if q else 16
     repeats = 1 if q else 2
     report: dict[str, Any] = {
@@ -595,12 +420,8 @@ def main() -> None:
             "Trajectory ratio = broker throughput / raw PUSH/PULL throughput of the same TRAJ frames; "
             f"the broker path includes permits, ACKs, validation and batching (batch {BATCH}, "
             f"publish every {PUBLISH_EVERY} batches, max_staleness 1).",
-            "Fan-out ratio = broker seconds / (N x one raw single hop); both sides fetch 64 MiB chunks "
-            f"{WINDOW} in flight and check every chunk's sha256. Below 1: faster than N direct transfers.",
-            f"Each downloader holds a whole copy, so at most {DOWNLOAD_BYTES >> 30} GiB are downloaded at "
-            "once: the 1 GB set goes to at most 4 downloaders at a time (16 actors = 4 waves of 4).",
-            "Trajectories and fan-out: best of `repeats` rounds (1 for 1 GB), broker and baseline "
-            "alternating, so load from other processes slows both alike.",
+            "Trajectories: best of `repeats` rounds, broker and baseline alternating, so load "
+            "from other processes slows both alike.",
             "Many actors: threads of one process, one DEALER each, 1 KB one-segment episodes, "
             "learner batch 128 publishing every 2 batches; baseline: 4 actors, same total.",
         ],
@@ -624,14 +445,6 @@ def main() -> None:
         report["trajectories"] = [
             trajectories(tmp, payload, n, repeats) for payload, n in counts.items()
         ]
-        pool = Pool(16)
-        try:
-            report["fanout"] = [
-                fanout(tmp, pool, nbytes, (1, 4, 16), repeats if nbytes <= 256 * MB else 1)
-                for nbytes in weights
-            ]
-        finally:
-            pool.close()
         report["many_actors"] = [many_actors(tmp, n, 256 * episodes) for n in (4, 256)]
     base, crowd = report["many_actors"]
     report["many_actors_ratio_256_over_4"] = crowd["segments_per_s"] / base["segments_per_s"]

@@ -68,7 +68,7 @@ class Admission:
         return max(0, share - held)
 
     def grant(self, actor_id: str, n: int, version: int, *, group: int = 1) -> list[Permit]:
-        """Up to n permits at the actor's (= the latest) version, in whole groups.
+        """Up to n permits at the actor's engine's version (``playable``), in whole groups.
 
         The actor plays each run of ``group`` consecutive permits as one prompt's samples, so the
         broker knows every group's members from the grant, even before any segment arrives.
@@ -83,6 +83,13 @@ class Admission:
         self.in_flight.update((p.id, p) for p in permits)
         self.granted_total += n
         return permits
+
+    def playable(self, version: int, latest: int) -> bool:
+        """Whether an engine at ``version`` may start episodes (its permits carry ``version``):
+        the latest, or one of the η − 1 before it. Such a permit is due (rule 2) at the earliest
+        when the learner's last batch of ``latest`` is built, so an actor keeps playing while it
+        fetches the next version; with η ≤ 1 only the latest will do."""
+        return 0 <= latest - version <= max(self.max_staleness - 1, 0)
 
     def too_stale(self, min_version: int, at_version: int) -> bool:
         """The backstop: a token sampled by ``min_version`` may not be trained at ``at_version``."""

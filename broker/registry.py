@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from broker.directory import Peer
 from common.protocol import ProtocolError
 
 MAX_LISTED_ACTORS = 1000  # STATS names at most this many actors: the reply stays small
@@ -52,6 +53,7 @@ class Registry:
         self.key_roles = key_roles  # None: no Curve, every connection may take every role
         self.actors: dict[str, Holder] = {}
         self.versions: dict[str, int] = {}  # actor id -> the version it last reported
+        self.peers: dict[str, Peer] = {}  # client id -> the chunk server it announced
         self.learner_id: str | None = None
         self.learner: Holder | None = None
 
@@ -128,6 +130,12 @@ class Registry:
             if holder is not None and holder.conn == conn:
                 holder.seen = now
 
+    def release_learner(self) -> None:
+        """The learner left (BYE): the role is free for the next HELLO, at once."""
+        if self.learner_id is not None:
+            self.peers.pop(self.learner_id, None)
+        self.learner_id, self.learner = None, None
+
     def is_learner(self, client: str, conn: Conn) -> bool:
         return self.learner is not None and client == self.learner_id and self.learner.conn == conn
 
@@ -151,6 +159,13 @@ class Registry:
     def report(self, client: str, version: int) -> None:
         self.versions[client] = version
 
+    def serves(self, client: str, peer: Peer | None) -> None:
+        """The chunk server ``client``'s HELLO announced (None: it serves none)."""
+        if peer is None:
+            self.peers.pop(client, None)
+        else:
+            self.peers[client] = peer
+
     # -------------------------------------------------------------- lifetimes
     def bindings(self) -> dict[str, list]:
         """What the spool keeps: actor id -> [routing id (hex), Curve key or None]."""
@@ -170,6 +185,7 @@ class Registry:
         """The actor left (BYE) or timed out: nothing of it is kept."""
         self.actors.pop(client, None)
         self.versions.pop(client, None)
+        self.peers.pop(client, None)
 
     def silent(self, now: float) -> list[str]:
         """Actors silent longer than ``heartbeat_timeout_s``: presumed dead."""

@@ -14,18 +14,17 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import structlog
 import zmq
 from prometheus_client import Counter as PromCounter
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Gauge
 
 from broker.admission import Admission, Permit, restore_permit
+from broker.directory import Directory, Peer
 from broker.parked import ParkedPermits
 from broker.queue import Dropped, EpisodeQueue
 from broker.registry import Conn, Registry
 from broker.spool import Durability
-from broker.weights import WeightStore, WeightVersion
 from common.config import Config
 from common.log import bind_version
 from common.metrics import Health
@@ -78,17 +77,18 @@ M_INTERNAL = PromCounter(
     "asyncppo_broker_internal_errors_total",
     "Requests whose handling raised an unexpected exception (answered ERROR internal; served on).",
 )
-M_FANOUT = Histogram(
-    "asyncppo_broker_weight_fanout_seconds",
-    "Commit of a version to an actor's last chunk of it.",
-    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+M_SOURCES = PromCounter(
+    "asyncppo_broker_weight_sources_total",
+    "Sources named to weight fetchers (WEIGHTS_WHERE), by whether one was reported failed.",
+    ["after_failure"],
 )
 
 ACTOR_KINDS = {"PERMITS_REQ", "TRAJ", "HEARTBEAT"}  # a registered actor on its own connection
-FREES_CAPACITY = {"GET_BATCH", "PUBLISH_COMMIT", "TRAJ", "BYE", "HELLO"}  # may end a permit wait
-LEARNER_KINDS = {"GET_BATCH", "PUBLISH_BEGIN", "PUBLISH_CHUNK", "PUBLISH_COMMIT"}
+FREES_CAPACITY = {"GET_BATCH", "PUBLISH", "TRAJ", "BYE", "HELLO"}  # may end a permit wait
+LEARNER_KINDS = {"GET_BATCH", "PUBLISH"}
 NOT_INVALID = {  # not the sender's fault
     "busy",
+    "no_source",
     "unknown_actor",
     "version_gone",
     "spool_error",
@@ -130,6 +130,26 @@ def _count(head: dict[str, Any], key: str, *, default: int | None = None) -> int
     return value
 
 
+MAX_FAILED = 64  # sources a WEIGHTS_WHERE may report at once
+
+
+def _peer(head: dict[str, Any], client: str, conn: Conn, body: list) -> Peer | None:
+    """The chunk server a HELLO announces (``peer_port``), at the address this connection comes
+    from: peers are reached by address, never by host name. None when it serves none."""
+    if "peer_port" not in head:
+        return None
+    port = head["peer_port"]
+    if not 0 < port < 65536:
+        raise ProtocolError("bad_value", "peer_port", f"expected a TCP port 1-65535, got {port}")
+    ip = body[0].get("Peer-Address")
+    if not ip:
+        raise ProtocolError(
+            "bad_value", "peer_port", "this connection has no IP address (not TCP) to serve from"
+        )
+    host = f"[{ip}]" if ":" in ip else ip
+    return Peer(client, f"tcp://{host}:{port}", conn.key)
+
+
 def _check_permits_req(head: dict[str, Any]) -> None:
     _count(head, "n")
     _count(head, "group", default=1)
@@ -153,12 +173,11 @@ class Broker:
             publish_every=cfg.learner.publish_every,
             max_staleness=cfg.broker.max_staleness,
         )
-        self.weights = WeightStore()
+        self.weights = Directory(cfg.broker.weights_fanout)
         self.queue = EpisodeQueue(self.admission, self.cfg.max_queue_bytes)
         self.pending_batch: tuple[list, Message, float] | None = None
         self.parked_permits = ParkedPermits()
         self.batch_id = 0
-        self.commit_time: dict[int, float] = {}
         self.counts: Counter[str] = Counter(dict.fromkeys(STAT_COUNTS, 0))
         self.durable = Durability(self.cfg.spool_dir, self._spool_failed)
         if self.durable.spool is not None:
@@ -274,7 +293,9 @@ class Broker:
         ):
             self.registry.check_actor(client, conn)
         if msg.kind == "HELLO":
-            return self._on_hello(msg, conn, now)
+            return self._on_hello(msg, conn, now, body)
+        if msg.kind == "BYE":
+            return self._on_bye(msg, conn)
         if msg.kind == "TRAJ":
             return self._on_traj(msg, body)
         if msg.kind == "GET_BATCH":  # parked until a batch is ready (or batch_wait_s passes)
@@ -321,8 +342,9 @@ class Broker:
         )
 
     # ------------------------------------------------------------ handlers
-    def _on_hello(self, msg: Message, conn: Conn, now: float) -> list:
+    def _on_hello(self, msg: Message, conn: Conn, now: float, body: list) -> list:
         head, client = msg.header, msg.header["id"]
+        peer = _peer(head, client, conn, body)  # checked before anything changes
         if head["role"] == "learner":
             for key in ("batch_size", "publish_every"):
                 _count(head, key)
@@ -331,6 +353,7 @@ class Broker:
             self.admission.configure(
                 batch_size=head["batch_size"], publish_every=head["publish_every"]
             )
+            self.registry.serves(client, peer)
             log.info(
                 "learner connected",
                 learner=client,
@@ -345,6 +368,7 @@ class Broker:
                 )
             if self.registry.hello_actor(client, conn, now):
                 self.durable.changed()  # bindings are spooled
+            self.registry.serves(client, peer)
             self.parked_permits.drop(client)  # the restarted actor no longer waits on it
             self._reclaim(client, keep=set(held), reason="actor_restart")
             log.info(
@@ -373,13 +397,21 @@ class Broker:
             self.registry.report(msg.header["id"], msg.header["version"])
         return self._reply(msg, "HEARTBEAT_ACK", {"latest_version": self.weights.latest_version})
 
-    def _on_bye(self, msg: Message) -> list:
-        self._forget_actor(msg.header["id"], reason="actor_left")
+    def _on_bye(self, msg: Message, conn: Conn) -> list:
+        """A clean departure: an actor's permits go back; the learner's role is free at once
+        (and its chunk server is named no more)."""
+        if self.registry.is_learner(msg.header["id"], conn):
+            self.registry.release_learner()
+            self.weights.forget(msg.header["id"])
+            self.pending_batch = None
+        else:
+            self._forget_actor(msg.header["id"], reason="actor_left")
         return self._reply(msg, "OK")
 
     def _forget_actor(self, actor_id: str, reason: str) -> None:
         """The actor left or went silent: its permits are freed and nothing of it is kept."""
         self.registry.forget(actor_id)
+        self.weights.forget(actor_id)
         self.parked_permits.drop(actor_id)
         self._reclaim(actor_id, reason=reason)
 
@@ -399,14 +431,15 @@ class Broker:
         head, latest = msg.header, self.weights.latest_version
         if latest < 0:
             return self._wait(msg, "no_weights", 0.5)
-        if head["version"] != latest:
+        if not self.admission.playable(head["version"], latest):
             return self._wait(msg, "stale_weights", 0.0)
         if self.queue.nbytes > self.cfg.max_queue_bytes:
             return self._wait(msg, "queue_full", 0.5)
         group, n = head.get("group", 1), head["n"]
         if not head.get("wait", True):  # a busy actor topping up: at most its fair share
             n = min(n, self.admission.fair_share(head["id"], len(self.registry.actors), group))
-        permits = self.admission.grant(head["id"], n, latest, group=group) if n >= group else []
+        version = head["version"]  # the engine's: every token of the episode is at least that
+        permits = self.admission.grant(head["id"], n, version, group=group) if n >= group else []
         if not permits:
             return None
         M_PERMITS.inc(len(permits))
@@ -530,56 +563,58 @@ class Broker:
             self._reply(msg, "BATCH", {"batch_id": self.batch_id, "segments": headers}, tensors),
         )
 
-    def _on_publish_begin(self, msg: Message) -> list:
-        self.weights.begin(msg.header["manifest"])
-        return self._reply(msg, "OK")
-
-    def _on_publish_chunk(self, msg: Message) -> list:
-        data = msg.tensors.get("data")
-        if data is None:
-            raise ProtocolError("missing_field", "data", "PUBLISH_CHUNK carries a tensor 'data'")
-        if data.dtype != np.uint8 or data.ndim != 1:
+    def _on_publish(self, msg: Message) -> list:
+        """A new version: its manifest, served by the learner's chunk server (HELLO
+        ``peer_port``). The broker never sees its bytes."""
+        root = self.registry.peers.get(msg.header["id"])
+        if root is None:
             raise ProtocolError(
-                "bad_dtype", "data", f"expected 1-D |u1, got {data.ndim}-D {data.dtype.str}"
-            )
-        self.weights.put(msg.header["version"], msg.header["chunk"], data)
-        return self._reply(msg, "OK")
-
-    def _on_publish_commit(self, msg: Message) -> list:
-        wv = self.weights.commit(msg.header["version"])
+                "no_peer_port", "peer_port",
+                "the learner said no peer_port in its HELLO: nobody could fetch this version",
+            )  # fmt: skip
+        manifest = msg.header["manifest"]
+        self.weights.publish(manifest, root)
         self.admission.published()
-        self.commit_time = {wv.version: time.monotonic()}
-        if self.durable.spool is not None:
-            chunks = [bytes(c) for c in wv.chunks]  # type: ignore[arg-type]
-            self.durable.save_weights(wv.version, wv.manifest, chunks)
         self.durable.changed()
-        M_VERSION.set(wv.version)
-        bind_version(wv.version)
+        M_VERSION.set(manifest["version"])
+        bind_version(manifest["version"])
         log.info(
             "policy version published",
-            version=wv.version,
-            bytes=wv.manifest["total_bytes"],
-            chunks=len(wv.chunks),
+            version=manifest["version"],
+            bytes=manifest["total_bytes"],
+            chunks=len(manifest["chunks"]),
+            source=root.address,
         )
-        return self._reply(msg, "OK", {"version": wv.version})
+        return self._reply(msg, "OK", {"version": manifest["version"]})
 
     # --------------------------------------------------------------- actors
     def _on_weights_info(self, msg: Message) -> list:
         latest = self.weights.latest
         if latest is None:
             return self._wait(msg, "no_weights", 0.5)
-        return self._reply(msg, "WEIGHTS_MANIFEST", {"manifest": latest.manifest})
+        return self._reply(msg, "WEIGHTS_MANIFEST", {"manifest": latest})
 
-    def _on_weights_get(self, msg: Message) -> list:
-        version, index = msg.header["version"], msg.header["chunk"]
-        data = self.weights.chunk(version, index)
-        if index == len(self.weights.versions[version].chunks) - 1 and version in self.commit_time:
-            M_FANOUT.observe(time.monotonic() - self.commit_time[version])
+    def _on_weights_where(self, msg: Message) -> list:
+        """Whom to fetch a version from (``broker.directory``); a registered actor with a chunk
+        server joins the version's chain."""
+        head, client = msg.header, msg.header["id"]
+        failed = head.get("failed", [])
+        if not all(isinstance(f, str) for f in failed) or len(failed) > MAX_FAILED:
+            raise ProtocolError(
+                "bad_value", "failed", f"expected at most {MAX_FAILED} peer ids (str)"
+            )
+        actors = self.registry.actors
+        source = self.weights.source(
+            head["version"],
+            client,
+            serves=self.registry.peers.get(client) if client in actors else None,
+            failed=failed,
+            alive=set(actors),
+            holders={a for a, v in self.registry.versions.items() if v >= head["version"]},
+        )
+        M_SOURCES.labels(after_failure=str(bool(failed)).lower()).inc()
         return self._reply(
-            msg,
-            "WEIGHTS_CHUNK",
-            {"version": version, "chunk": index},
-            {"data": np.frombuffer(data, dtype=np.uint8)},
+            msg, "WEIGHTS_SOURCE", {"version": head["version"], "source": source.wire()}
         )
 
     def _on_stats(self, msg: Message) -> list:
@@ -616,6 +651,7 @@ class Broker:
                 "counts": dict(self.counts),
                 "batch_id": self.batch_id,
                 "bindings": self.registry.bindings(),
+                "weights": self.weights.state(),
             }
         )
 
@@ -623,11 +659,8 @@ class Broker:
         """Reload weights, permits and acknowledged segments after a restart (kill -9 included)."""
         spool = self.durable.spool
         assert spool is not None
-        saved = spool.load_weights()
-        if saved:
-            manifest, chunks = saved
-            self.weights.install(WeightVersion(manifest["version"], manifest, chunks))
         state = spool.load_state() or {}
+        self.weights.restore(state.get("weights"))
         if state:
             self.admission.restore(state["admission"])
             self.counts.update(state["counts"])
@@ -658,11 +691,8 @@ class Broker:
 
     _handlers: dict[str, Callable[[Broker, Message], list]] = {
         "HEARTBEAT": _on_heartbeat,
-        "BYE": _on_bye,
         "WEIGHTS_INFO": _on_weights_info,
-        "WEIGHTS_GET": _on_weights_get,
-        "PUBLISH_BEGIN": _on_publish_begin,
-        "PUBLISH_CHUNK": _on_publish_chunk,
-        "PUBLISH_COMMIT": _on_publish_commit,
+        "WEIGHTS_WHERE": _on_weights_where,
+        "PUBLISH": _on_publish,
         "STATS": _on_stats,
     }  # the kinds without a step of their own in _dispatch

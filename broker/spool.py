@@ -1,4 +1,6 @@
-"""Durable broker state under ``broker.spool_dir``: accepted segments, permit state, newest weights.
+"""Durable broker state under ``broker.spool_dir``: accepted segments, and the state (permits,
+counters, the newest version's manifest and source; never weight bytes, which the broker does
+not hold).
 
 ``Spool`` is the files: every write goes to a temporary file that is renamed into place, so a
 kill -9 at any moment leaves either the old file or the new one, never half of one.
@@ -38,9 +40,7 @@ class Spool:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.segments = self.root / "segments"
-        self.weights = self.root / "weights"
         self.segments.mkdir(parents=True, exist_ok=True)
-        self.weights.mkdir(parents=True, exist_ok=True)
 
     def save_segment(self, key: str, frames: list[bytes]) -> None:
         _atomic_write(self.segments / f"{key}.msgpack", msgpack.packb(frames, use_bin_type=True))
@@ -63,31 +63,6 @@ class Spool:
     def load_state(self) -> dict | None:
         path = self.root / "state.json"
         return json.loads(path.read_text()) if path.exists() else None
-
-    def save_weights(self, version: int, manifest: dict, chunks: list[bytes]) -> None:
-        """Chunks first, the manifest last: a version without a manifest is ignored on load."""
-        for i, chunk in enumerate(chunks):
-            _atomic_write(self.weights / f"v{version}.chunk{i}", chunk)
-        _atomic_write(
-            self.weights / f"v{version}.manifest", msgpack.packb(manifest, use_bin_type=True)
-        )
-        for old in self.weights.iterdir():
-            if not old.name.startswith(f"v{version}."):
-                old.unlink(missing_ok=True)
-
-    def load_weights(self) -> tuple[dict, list[bytes]] | None:
-        manifests = sorted(
-            self.weights.glob("v*.manifest"), key=lambda p: int(p.name[1:].split(".")[0])
-        )
-        if not manifests:
-            return None
-        manifest = msgpack.unpackb(manifests[-1].read_bytes(), raw=False)
-        version = manifest["version"]
-        chunks = [
-            (self.weights / f"v{version}.chunk{i}").read_bytes()
-            for i in range(len(manifest["chunks"]))
-        ]
-        return manifest, chunks
 
 
 class Durability:
@@ -113,11 +88,6 @@ class Durability:
     def save_segment(self, key: str, frames: list[bytes]) -> bool:
         """Spool an accepted segment before its ACK; False when the disk failed."""
         return self.spool is None or self._write("segment", self.spool.save_segment, key, frames)
-
-    def save_weights(self, version: int, manifest: dict, chunks: list[bytes]) -> None:
-        """The newest committed version (a failure is not retried: the learner republishes)."""
-        if self.spool is not None:
-            self._write("weights", self.spool.save_weights, version, manifest, chunks)
 
     def forget(self, key: str) -> None:
         """A handed-out or dropped segment leaves the spool at the next flush."""

@@ -109,6 +109,11 @@ class BrokerConfig:
         "Registered actors at most; a HELLO beyond it gets a retryable `actor_limit`.",
         minimum=1,
     )
+    weights_fanout: Literal["chain", "star"] = param(
+        "chain",
+        "Whom a weight fetcher is sent to: chain (the last fetcher to join: a version reaches N "
+        "actors in about the time it reaches one) or star (the learner: N copies through its link).",
+    )
 
 
 @dataclass
@@ -193,6 +198,16 @@ class ActorConfig:
         "torch intra-op threads of the actor process; 0 keeps torch's default (one per core). "
         "Set 1 when actors share cores with other roles: idle threads spin and steal them.",
         minimum=0,
+    )
+    peer_bind: str | None = param(
+        "tcp://0.0.0.0:0",
+        "Where this actor serves the weight chunks it holds to other actors (port 0: any free "
+        "port; peers reach it at the address the broker sees it connect from); null serves none.",
+    )
+    weights_stall_s: float = param(
+        10.0,
+        "A weight source that sends no chunk for this long is given up for another.",
+        above=0,
     )
     kv_on_weight_swap: Literal["reencode", "keep"] = param(
         "reencode",
@@ -349,7 +364,23 @@ class LearnerConfig:
     export_dir: str | None = param(
         None, "Write a Hugging Face save_pretrained copy of the policy here at the end."
     )
-    weight_chunk_bytes: int = param(64 << 20, "Chunk size of published weights.", minimum=1)
+    weight_chunk_bytes: int = param(
+        1 << 20,
+        "Chunk size of published weights: the unit a chain of actors pipelines (each hop adds "
+        "one chunk's transfer time).",
+        minimum=1,
+    )
+    publish_dtype: Literal["auto", "float32", "bfloat16"] = param(
+        "auto",
+        "Dtype of the published weights: auto (bfloat16 when the actors run bfloat16: "
+        "actor.engine_dtype bfloat16 or the sglang engine; else float32), float32 or bfloat16. "
+        "The learner keeps its own dtype for training.",
+    )
+    peer_bind: str = param(
+        "tcp://0.0.0.0:0",
+        "Where rank 0 serves the chunks of the versions it publishes (port 0: any free port; "
+        "fetchers reach it at the address the broker sees it connect from).",
+    )
     seed: int = param(0, "Seed of the learner.")
     lora: LoraConfig = field(default_factory=LoraConfig)
 

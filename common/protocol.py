@@ -75,7 +75,12 @@ _INT, _STR, _BOOL, _NUM = (int,), (str,), (bool,), (int, float)
 _OPT_STR = (str, type(None))
 SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     # client -> broker
-    "HELLO": {"role": (_STR, True), "id": (_STR, True), "version": (_INT, True)},
+    "HELLO": {
+        "role": (_STR, True),
+        "id": (_STR, True),
+        "version": (_INT, True),
+        "peer_port": (_INT, False),
+    },
     "PERMITS_REQ": {"n": (_INT, True), "version": (_INT, True), "wait": (_BOOL, False)},
     "TRAJ": {
         "permit": (_STR, True),
@@ -95,12 +100,12 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "HEARTBEAT": {"version": (_INT, True)},
     "BYE": {},
     "WEIGHTS_INFO": {},
-    "WEIGHTS_GET": {"version": (_INT, True), "chunk": (_INT, True)},
+    "WEIGHTS_WHERE": {"version": (_INT, True), "failed": ((list,), False)},
     "GET_BATCH": {"version": (_INT, True), "n": (_INT, True), "publishes_after": (_BOOL, True)},
-    "PUBLISH_BEGIN": {"manifest": ((dict,), True)},
-    "PUBLISH_CHUNK": {"version": (_INT, True), "chunk": (_INT, True)},
-    "PUBLISH_COMMIT": {"version": (_INT, True)},
+    "PUBLISH": {"manifest": ((dict,), True)},
     "STATS": {},
+    # fetcher -> peer (a learner's or an actor's chunk server, common.peers)
+    "WEIGHTS_GET": {"version": (_INT, True), "chunk": (_INT, True)},
     # broker -> client
     "WELCOME": {
         "latest_version": (_INT, True),
@@ -118,6 +123,7 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
     "HEARTBEAT_ACK": {"latest_version": (_INT, True)},
     "WEIGHTS_MANIFEST": {"manifest": ((dict,), True)},
+    "WEIGHTS_SOURCE": {"version": (_INT, True), "source": ((dict,), True)},
     "WEIGHTS_CHUNK": {"version": (_INT, True), "chunk": (_INT, True)},
     "BATCH": {"batch_id": (_INT, True), "segments": ((list,), True)},
     "OK": {},
@@ -133,14 +139,14 @@ CLIENT_KINDS = frozenset(
         "HEARTBEAT",
         "BYE",
         "WEIGHTS_INFO",
-        "WEIGHTS_GET",
+        "WEIGHTS_WHERE",
         "GET_BATCH",
-        "PUBLISH_BEGIN",
-        "PUBLISH_CHUNK",
-        "PUBLISH_COMMIT",
+        "PUBLISH",
         "STATS",
     }
-)  # the kinds a broker serves; the others of SCHEMAS are its replies
+)  # the kinds a broker serves
+PEER_KINDS = frozenset({"WEIGHTS_GET"})  # the kind a peer's chunk server serves
+# the others of SCHEMAS are replies
 
 
 @dataclass(frozen=True)
@@ -269,7 +275,7 @@ def _validate(
         raise ProtocolError("unknown_kind", "kind", f"{show(kind)} is not {what}")
     if not is_int(head.get("req", 0)):
         raise ProtocolError("bad_type", "req", f"expected int, got {_type_name(head['req'])}")
-    if kind in CLIENT_KINDS:
+    if kind in CLIENT_KINDS or kind in PEER_KINDS:
         check_client_id(head)
     for name, (types_, required) in SCHEMAS[kind].items():
         if name not in head:

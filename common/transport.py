@@ -12,7 +12,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,42 @@ def load_key_roles(security: SecurityConfig) -> dict[str, frozenset[str]]:
     return {key: frozenset(r) for key, r in roles.items()}
 
 
+class _Zap:
+    """The process's ZAP handler, shared by every Curve server socket of the context (the
+    broker's ROUTER, a chunk server): the union of their allow-lists, stopped with the last."""
+
+    def __init__(self) -> None:
+        self.auth = None
+        self.users: list[dict[str, frozenset[str]]] = []
+        self.lock = threading.Lock()
+
+    def join(self, ctx: zmq.Context, key_roles: dict[str, frozenset[str]]) -> object:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        with self.lock:
+            if self.auth is None:
+                self.auth = ThreadAuthenticator(ctx)
+                self.auth.start()
+                self.auth.configure_curve_callback(domain="*", credentials_provider=self)
+            self.users.append(key_roles)
+            return self.auth
+
+    def leave(self, key_roles: dict[str, frozenset[str]]) -> None:
+        with self.lock:
+            self.users.remove(key_roles)
+            if not self.users and self.auth is not None:
+                self.auth.stop()
+                self.auth = None
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP: a client key may connect when some allow-list has it (``key`` is Z85)."""
+        z85 = key.decode("ascii", "replace")
+        return any(z85 in roles for roles in self.users)
+
+
+_ZAP = _Zap()
+
+
 def new_routing_id() -> bytes:
     """A random routing id (libzmq reserves ids that start with a zero byte)."""
     return bytes([secrets.randbelow(255) + 1]) + secrets.token_bytes(15)
@@ -116,12 +152,7 @@ class Endpoint:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, not vanishes
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if self.security.curve:
-            from zmq.auth.thread import ThreadAuthenticator
-
-            self.key_roles = load_key_roles(self.security)
-            self._auth = ThreadAuthenticator(self.ctx)
-            self._auth.start()
-            self._auth.configure_curve_callback(domain="*", credentials_provider=self)
+            self._authenticate()
             public, secret = _keypair(
                 self.security.server_secret_key_file, "security.server_secret_key_file"
             )
@@ -131,11 +162,36 @@ class Endpoint:
         sock.bind(bind)
         return sock
 
-    def callback(self, domain: str, key: bytes) -> bool:
-        """ZAP: a client key may connect when some role allows it (``key`` is Z85)."""
-        return key.decode("ascii", "replace") in self.key_roles
+    def peer_server(self, bind: str) -> tuple[zmq.Socket, int, str | None]:
+        """A ROUTER that serves weight chunks to peers (``common.peers``): the socket, the port
+        it got, and its Curve public key (Z85) under Curve, where it is a Curve server with this
+        node's own key pair that admits the keys of both allow-lists (actors and learner)."""
+        sock = self.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        key = None
+        if self.security.curve:
+            self._authenticate()
+            public, secret = _keypair(
+                self.security.client_secret_key_file, "security.client_secret_key_file"
+            )
+            sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+            key = public.decode("ascii")
+        sock.bind(bind)
+        port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        return sock, port, key
 
-    def client(self, connect: str, routing_id: bytes | None = None) -> zmq.Socket:
+    def _authenticate(self) -> None:
+        """Admit this endpoint's allow-lists to the process's one ZAP handler (libzmq has one
+        per context): a key may connect when some role's allow-list has it."""
+        if self._auth is not None:
+            return
+        self.key_roles = load_key_roles(self.security)
+        self._auth = _ZAP.join(self.ctx, self.key_roles)
+
+    def client(
+        self, connect: str, routing_id: bytes | None = None, server_key: str | None = None
+    ) -> zmq.Socket:
+        """A DEALER to the broker, or with ``server_key`` (Z85) to a peer's chunk server."""
         sock = self.socket(zmq.DEALER)
         if routing_id is not None:
             sock.setsockopt(zmq.ROUTING_ID, routing_id)
@@ -145,8 +201,12 @@ class Endpoint:
             )
             sock.curve_secretkey = secret
             sock.curve_publickey = public
-            sock.curve_serverkey = _public_key(
-                self.security.server_public_key_file, "security.server_public_key_file"
+            sock.curve_serverkey = (
+                server_key.encode("ascii")
+                if server_key is not None
+                else _public_key(
+                    self.security.server_public_key_file, "security.server_public_key_file"
+                )
             )
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # exponential backoff up to 5 s
@@ -155,7 +215,7 @@ class Endpoint:
 
     def close(self) -> None:
         if self._auth is not None:
-            self._auth.stop()
+            _ZAP.leave(self.key_roles)
             self._auth = None
 
 
@@ -196,9 +256,11 @@ class Client:
         *,
         timeout_s: float = 10.0,
         interrupted: Callable[[], bool] = lambda: False,
+        server_key: str | None = None,
     ):
         self.endpoint = endpoint
         self.connect = connect
+        self.server_key = server_key  # a peer's Curve key (Z85); None: the broker's
         self.client_id = client_id
         self.timeout_s = timeout_s
         self.interrupted = interrupted
@@ -208,7 +270,7 @@ class Client:
         self.sock = self._open()
 
     def _open(self) -> zmq.Socket:
-        sock = self.endpoint.client(self.connect, self.routing_id)
+        sock = self.endpoint.client(self.connect, self.routing_id, self.server_key)
         # A DEALER with no live connection (a broker that refused our Curve handshake, one that
         # is gone) blocks on send; bounded, the request times out like a missing reply.
         sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_s * 1000)))
@@ -292,6 +354,27 @@ class Client:
             deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
             return self.recv_reply(kind, {req}, deadline, interruptible=interruptible)
 
+    def stream(
+        self,
+        kind: str,
+        headers: list[dict[str, Any]],
+        *,
+        window: int = 4,
+        tensors: list[dict[str, np.ndarray] | None] | None = None,
+    ) -> Iterator[tuple[int, Message]]:
+        """Many requests with up to ``window`` in flight (credit-based); (index of the request,
+        its reply) as each reply arrives. Each reply has ``timeout_s`` from the one before."""
+        index: dict[int, int] = {}
+        with self.lock:
+            for i, header in enumerate(headers):
+                if len(index) >= window:
+                    msg = self.recv_reply(kind, set(index), time.monotonic() + self.timeout_s)
+                    yield index.pop(msg.req), msg
+                index[self.send_request(kind, header, tensors[i] if tensors else None)] = i
+            while index:
+                msg = self.recv_reply(kind, set(index), time.monotonic() + self.timeout_s)
+                yield index.pop(msg.req), msg
+
     def pipeline(
         self,
         kind: str,
@@ -300,24 +383,9 @@ class Client:
         window: int = 4,
         tensors: list[dict[str, np.ndarray] | None] | None = None,
     ) -> list[Message]:
-        """Many requests with up to ``window`` in flight (credit-based); replies in request order."""
-        replies: dict[int, Message] = {}
-        order: list[int] = []
-        in_flight: set[int] = set()
-        with self.lock:
-            for i, header in enumerate(headers):
-                if len(in_flight) >= window:
-                    msg = self.recv_reply(kind, in_flight, time.monotonic() + self.timeout_s)
-                    in_flight.discard(msg.req)
-                    replies[msg.req] = msg
-                req = self.send_request(kind, header, tensors[i] if tensors else None)
-                order.append(req)
-                in_flight.add(req)
-            while in_flight:
-                msg = self.recv_reply(kind, in_flight, time.monotonic() + self.timeout_s)
-                in_flight.discard(msg.req)
-                replies[msg.req] = msg
-        return [replies[r] for r in order]
+        """``stream``'s replies, in request order."""
+        replies = dict(self.stream(kind, headers, window=window, tensors=tensors))
+        return [replies[i] for i in range(len(headers))]
 
     def close(self) -> None:
         with self.lock:

@@ -59,6 +59,7 @@ def validate_manifest(manifest: dict) -> None:
     for key in ("version", "chunk_bytes", "total_bytes"):
         value = manifest.get(key)
         need(count(value), key, f"expected an int >= 0, got {show(value)}")
+    need(manifest["version"] <= MAX_DIM, "version", f"expected at most {MAX_DIM}")
     need(manifest["chunk_bytes"] > 0, "chunk_bytes", "must be > 0")
     chunks, tensors = manifest.get("chunks"), manifest.get("tensors")
     need(isinstance(chunks, list), "chunks", "expected an array")

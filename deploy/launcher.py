@@ -3,8 +3,9 @@
 The launcher only starts, watches and stops processes; it learns how training goes the way an
 operator would, from the broker's STATS and the learner's step log. The actor count follows
 ``<run dir>/actors.target`` (written by ``asyncppo scale``) and SIGUSR1/SIGUSR2 (+1/-1), live.
-Shutdown order: learner first (it checkpoints), then actors (they say BYE), then the evaluator
-(after a learner that completed its steps, once it has scored the final version), then the broker.
+Shutdown order: learner first (it checkpoints, and a learner that completed its steps stays until
+an actor holds its last version), then the evaluator (after a completed run, once it has scored
+that version, fetched from the actors), then the actors (they say BYE), then the broker.
 """
 
 from __future__ import annotations
@@ -222,12 +223,12 @@ class Launcher:
         learner_completed = self.learner.poll() == 0  # exited on its own: total_steps done
         self.stop_learner()
         stats = self.broker_stats()
+        if self.evaluator is not None:  # the final version's sources are the actors now
+            self.finish_evaluation(learner_completed)
         for proc in self.actors.values():
             proc.send_signal(signal.SIGTERM)
         for proc in self.actors.values():
             stop(proc)
-        if self.evaluator is not None:  # it needs only the broker, and the cores the actors had
-            self.finish_evaluation(learner_completed)
         final = self.broker_stats() or stats
         self.stats_client.close()
         stop(self.broker)

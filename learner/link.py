@@ -7,6 +7,7 @@ both are served by ``BrokerLink`` (rank 0's DEALER socket, docs/protocol.md §8 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -14,7 +15,6 @@ from collections.abc import Callable
 from typing import Protocol
 
 import msgpack
-import numpy as np
 import structlog
 import torch
 from prometheus_client import Counter
@@ -22,6 +22,8 @@ from prometheus_client import Counter
 from common.config import Config
 from common.heartbeat import Heartbeat
 from common.metrics import Health
+from common.peers import PeerServer
+from common.pieces import Pieces
 from common.protocol import Message, decode, encode
 from common.retry import Backoff, call_with_retry
 from common.trajectory import Segment
@@ -30,7 +32,6 @@ from learner.distributed import broadcast_bytes
 
 log = structlog.get_logger()
 M_IDLE = Counter("asyncppo_learner_idle_seconds_total", "Seconds spent waiting for batches.")
-PUBLISH_GROUP = 16  # weight chunks pipelined between two liveness beats
 
 
 class BatchSource(Protocol):
@@ -51,8 +52,11 @@ class BrokerLink:
     def __init__(self, cfg: Config, health: Health, should_stop: Callable[[], bool]):
         self.lc, self.health, self.should_stop = cfg.learner, health, should_stop
         self.batch_timeout_s = cfg.learner.broker_timeout_s + cfg.broker.batch_wait_s
+        endpoint = Endpoint(cfg.security, cfg.broker.max_message_bytes)
+        # The chunks of what it publishes, served from here: the broker only steers.
+        self.server = PeerServer(endpoint, cfg.learner.peer_bind)
         self.client = Client(
-            Endpoint(cfg.security, cfg.broker.max_message_bytes),
+            endpoint,
             cfg.learner.broker,
             f"learner-{socket.gethostname()}-{os.getpid()}",
             timeout_s=cfg.learner.broker_timeout_s,
@@ -63,9 +67,9 @@ class BrokerLink:
         # heartbeat thread from the first WELCOME on.
         self.heartbeat_s = cfg.broker.heartbeat_timeout_s / 3  # until WELCOME says
         self.heartbeat: Heartbeat | None = None
-        # The last published (manifest, chunks), one host copy of the policy: a broker that lost
-        # it (restarted without a spool) gets the current weights again.
-        self.published: tuple[dict, list[memoryview]] | None = None
+        # The last published version, one host copy of the policy (served to fetchers): a broker
+        # that lost it (restarted without a spool) is told of it again.
+        self.published: Pieces | None = None
 
     def _hello_once(self) -> int:
         """One HELLO as the learner; the broker's newest complete version, −1 if none."""
@@ -74,6 +78,7 @@ class BrokerLink:
             "version": self.version,
             "batch_size": self.lc.batch_size,
             "publish_every": self.lc.publish_every,
+            "peer_port": self.server.port,
         }
         welcome = self.client.request("HELLO", header).header
         self.heartbeat_s = welcome["heartbeat_s"]
@@ -88,13 +93,13 @@ class BrokerLink:
         none) gets those weights again, under the same version, never a lower one, so what
         actors already hold stays valid."""
         latest = self._hello_once()
-        if self.published is not None and latest < self.published[0]["version"]:
+        if self.published is not None and latest < self.published.version:
             log.warning(
                 "broker lacks the current weights, publishing them again",
                 version=self.version,
                 broker_latest=latest,
             )
-            self.publish(*self.published)
+            self.publish(self.published.manifest, self.published.chunks)
 
     def _call(self, kind: str, header: dict, **kw: object) -> Message:
         return call_with_retry(
@@ -122,15 +127,14 @@ class BrokerLink:
         return latest
 
     def publish(self, manifest: dict, chunks: list[memoryview]) -> None:
-        """PUBLISH_BEGIN, the chunks (pipelined, a liveness beat between groups), PUBLISH_COMMIT.
+        """Serve the version's chunks from here, then PUBLISH its manifest: the broker makes it
+        the latest and sends fetchers here (or to actors that already hold it).
 
-        An interruption (timeout, ``no_publish``, ``not_learner``) starts it over after a HELLO;
-        it is done once the broker has this version (say, only the COMMIT's reply was lost).
-        """
-        self.published = (manifest, chunks)
+        An interruption (timeout, ``not_learner``) starts it over after a HELLO; it is done
+        once the broker has this version (say, only the reply was lost)."""
+        self.published = Pieces(manifest, chunks)
+        self.server.offer(self.published)
         version = self.version = manifest["version"]
-        headers = [{"version": version, "chunk": i} for i in range(len(chunks))]
-        frames = [{"data": np.frombuffer(c, dtype=np.uint8)} for c in chunks]
         tries = 0
 
         def attempt() -> None:
@@ -138,12 +142,7 @@ class BrokerLink:
             tries += 1
             if tries > 1 and self._hello_once() >= version:
                 return
-            self.client.request("PUBLISH_BEGIN", {"manifest": manifest})
-            for i in range(0, len(chunks), PUBLISH_GROUP):
-                self.health.beat("publishing weights")
-                group = slice(i, i + PUBLISH_GROUP)
-                self.client.pipeline("PUBLISH_CHUNK", headers[group], tensors=frames[group])
-            self.client.request("PUBLISH_COMMIT", {"version": version})
+            self.client.request("PUBLISH", {"manifest": manifest})
 
         try:
             call_with_retry(
@@ -180,9 +179,33 @@ class BrokerLink:
         finally:
             M_IDLE.inc(time.monotonic() - t0)
 
+    def hand_over(self, timeout_s: float) -> None:
+        """Serve the last published version until an actor holds it (it serves it on: the
+        evaluator and late actors fetch it there once this learner is gone), or no actor is
+        registered, or ``timeout_s`` passed."""
+        if self.published is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.should_stop():
+            try:
+                stats = self.client.request("STATS", timeout_s=5.0).header["stats"]
+            except TransportError:
+                return
+            versions = stats["actor_versions"].values()
+            if not stats["actors"] or any(v >= self.published.version for v in versions):
+                return
+            self.health.beat("handing the last version over to the actors")
+            time.sleep(0.2)
+        log.warning("no actor took the last version before the learner left",
+                    version=self.published.version)  # fmt: skip
+
     def close(self) -> None:
+        """BYE (the role is free at once, and fetchers are sent elsewhere), then the sockets."""
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        with contextlib.suppress(TransportError):  # a gone broker frees the role by its lease
+            self.client.request("BYE", timeout_s=1.0, interruptible=False)
+        self.server.close()
         self.client.close()
 
 

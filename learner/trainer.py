@@ -100,6 +100,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 RESUME_MODES = ("require", "auto")
 
 
+def publish_dtype(cfg: Config) -> torch.dtype:
+    """The dtype weights travel in: the actors' (``learner.publish_dtype`` auto), so no byte is
+    sent that the engine would round away; the learner trains in its own."""
+    name = cfg.learner.publish_dtype
+    if name == "auto":
+        engine = cfg.actor.engine_dtype
+        bf16 = engine == "bfloat16" or (engine == "auto" and cfg.actor.engine == "sglang")
+        name = "bfloat16" if bf16 else "float32"
+    return DTYPES[name]
+
+
 def deepspeed_engine(
     lc: LearnerConfig, dtype: torch.dtype, scheduler: Callable[[torch.optim.Optimizer], Any]
 ) -> Callable[[torch.nn.Module, float], Any]:
@@ -210,6 +221,8 @@ class Learner:
         t0 = time.monotonic()
         self.health.beat("publishing weights")
         tensors = self.export_weights()
+        dtype = publish_dtype(self.cfg)
+        tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
         if self.link is not None:
             manifest, chunks = pack_state_dict(
                 tensors,
@@ -389,6 +402,8 @@ class Learner:
         self.save_checkpoint()
         if self.lc.export_dir:
             self.export(self.lc.export_dir)
+        if self.link is not None and not self._stop:  # completed: its last version lives on
+            self.link.hand_over(self.cfg.learner.broker_timeout_s)
         log.info("learner finished", steps=self.step, version=self.version)
 
     def _stop_agreed(self) -> bool:

@@ -23,6 +23,8 @@ import numpy as np
 
 from common.config import BrokerConfig, SecurityConfig
 from common.lifecycle import spawn
+from common.peers import PeerServer, Source, fetch
+from common.pieces import Pieces
 from common.protocol import PROTO, Message, ProtocolError, decode
 from common.trajectory import ARRAYS, Segment
 from common.transport import Client, Endpoint, TransportError, free_port, send
@@ -195,19 +197,14 @@ def segment_digest(seg: Segment) -> str:
     return h.hexdigest()
 
 
-def fetch_chunks(client: Client, manifest: dict, window: int = 4) -> list[np.ndarray]:
-    """Every chunk of a version, pipelined; each checked against the manifest's sha256."""
-    version = manifest["version"]
-    replies = client.pipeline(
-        "WEIGHTS_GET",
-        [{"version": version, "chunk": i} for i in range(len(manifest["chunks"]))],
-        window=window,
-    )
-    chunks = [reply.tensors["data"] for reply in replies]
-    for i, (chunk, spec) in enumerate(zip(chunks, manifest["chunks"], strict=True)):
-        if hashlib.sha256(chunk).hexdigest() != spec["sha256"]:
-            raise ValueError(f"version {version} chunk {i}: sha256 does not match the manifest")
-    return chunks
+def fetch_chunks(peer: Peer, manifest: dict, stall_s: float = 5.0) -> list:
+    """Every chunk of a version, from the peers the broker names (``common.peers.fetch``: each
+    chunk's sha256 checked against the manifest as it arrives)."""
+    pieces = Pieces(manifest)
+    done = fetch(pieces, lambda failed: peer.source(manifest["version"], failed),
+                 peer.client.endpoint, peer.id, stall_s=stall_s)  # fmt: skip
+    assert done
+    return pieces.chunks
 
 
 class Peer:
@@ -236,6 +233,11 @@ class Peer:
 
     def stats(self) -> dict[str, Any]:
         return self.request("STATS").header["stats"]
+
+    def source(self, version: int, failed: list[str] | None = None) -> Source:
+        """Whom the broker says to fetch ``version`` from (WEIGHTS_WHERE)."""
+        reply = self.request("WEIGHTS_WHERE", {"version": version, "failed": failed or []})
+        return Source(**reply.header["source"])
 
     def submit(self, kind: str, header: dict[str, Any] | None = None) -> int:
         """Send a request without waiting (say, one the broker parks); its ``req``."""
@@ -285,7 +287,7 @@ class ScriptedActor(Peer):
         """Download the newest version if it is newer than ours, as a real actor does."""
         reply = self.request("WEIGHTS_INFO")
         if reply.kind == "WEIGHTS_MANIFEST" and reply.header["manifest"]["version"] > self.version:
-            fetch_chunks(self.client, reply.header["manifest"])
+            fetch_chunks(self, reply.header["manifest"])
             self.version = reply.header["manifest"]["version"]
         return self.version
 
@@ -359,7 +361,12 @@ class ScriptedActor(Peer):
 
 
 class ScriptedLearner(Peer):
-    """A learner without a model: HELLO, publishing synthetic weights, pulling batches."""
+    """A learner without a model: HELLO, publishing synthetic weights (served from its own chunk
+    server, as the learner does), pulling batches."""
+
+    def __init__(self, address: str, client_id: str, **kw: Any):
+        super().__init__(address, client_id, **kw)
+        self.server = PeerServer(self.client.endpoint, "tcp://127.0.0.1:0")
 
     def hello(self, batch_size: int, publish_every: int = 1, version: int = 0) -> int:
         header = {
@@ -367,22 +374,18 @@ class ScriptedLearner(Peer):
             "version": version,
             "batch_size": batch_size,
             "publish_every": publish_every,
+            "peer_port": self.server.port,
         }
         return self.request("HELLO", header).header["latest_version"]
 
-    def put_chunks(self, version: int, chunks: list[memoryview], window: int = 4) -> None:
-        self.client.pipeline(
-            "PUBLISH_CHUNK",
-            [{"version": version, "chunk": i} for i in range(len(chunks))],
-            window=window,
-            tensors=[{"data": np.frombuffer(c, dtype=np.uint8)} for c in chunks],
-        )
+    def close(self) -> None:
+        super().close()
+        self.server.close()
 
     def send_weights(self, manifest: dict, chunks: list[memoryview]) -> None:
-        """BEGIN, every chunk, COMMIT: the version is visible to actors from the COMMIT on."""
-        self.request("PUBLISH_BEGIN", {"manifest": manifest})
-        self.put_chunks(manifest["version"], chunks)
-        self.request("PUBLISH_COMMIT", {"version": manifest["version"]})
+        """Serve the chunks, then PUBLISH the manifest: the version is visible from then on."""
+        self.server.offer(Pieces(manifest, chunks))
+        self.request("PUBLISH", {"manifest": manifest})
 
     def publish(
         self, version: int, nbytes: int = 4096, chunk_bytes: int = 1024

@@ -541,7 +541,7 @@ def test_spool_survives_kill_9(start_broker, tmp_path):
     late = ScriptedActor(broker.address, "late")
     info = late.request("WEIGHTS_INFO")
     assert info.header["manifest"] == manifest  # the same version, chunk for chunk (sha256)
-    fetched = fetch_chunks(late.client, info.header["manifest"])
+    fetched = fetch_chunks(late, info.header["manifest"])
     assert [bytes(c) for c in fetched] == [bytes(c) for c in chunks]
 
     # The actor's permits survived: a resent segment is a known duplicate, the open episode can end.
@@ -819,6 +819,8 @@ def test_curve_admits_only_authorized_keys_each_to_its_role(start_broker, tmp_pa
             curve=True,
             server_public_key_file=str(keys / "broker.key"),
             client_secret_key_file=str(keys / f"{name}.key_secret"),
+            authorized_keys_dir=str(actors),  # who may fetch from its chunk server
+            learner_keys_dir=str(learners),
         )
 
     broker = start_broker(
@@ -846,7 +848,7 @@ def test_curve_admits_only_authorized_keys_each_to_its_role(start_broker, tmp_pa
     assert (exc.value.code, exc.value.retryable) == ("forbidden", False)
     manifest, _ = pack_state_dict(synthetic_weights(1000), 1, 1 << 20)
     for kind, header in (
-        ("PUBLISH_BEGIN", {"manifest": manifest}),
+        ("PUBLISH", {"manifest": manifest}),
         ("GET_BATCH", {"version": 0, "n": 1, "publishes_after": False}),
     ):
         for peer in (rogue, Peer(broker.address, "learner", security=client_security("worker"))):
@@ -876,75 +878,39 @@ def test_curve_admits_only_authorized_keys_each_to_its_role(start_broker, tmp_pa
 
 
 # ----------------------------------------------------------------------------- 6. weight fan-out
-def test_weight_versions_visible_on_commit_never_backwards_old_freed(start_broker):
+def test_weight_versions_are_visible_on_publish_never_backwards_two_kept(start_broker):
+    """The broker holds manifests, never bytes: a version is visible from its PUBLISH on, the
+    learner's chunk server serves it, versions never go backwards, and only the newest two are
+    kept (WEIGHTS_WHERE for an older one is version_gone)."""
     broker = start_broker()
     learner = ScriptedLearner(broker.address, "learner")
     learner.hello(batch_size=2)
-    manifest0, chunks0 = learner.publish(0, nbytes=64 << 10, chunk_bytes=16 << 10)
-
-    late = ScriptedActor(broker.address, "late")  # joins after the commit: gets it at once
-    assert late.hello() == 0
-    assert late.sync_weights() == 0
+    manifest0, _ = learner.publish(0, nbytes=64 << 10, chunk_bytes=16 << 10)
+    late = ScriptedActor(broker.address, "late")
+    assert late.hello() == 0 and late.sync_weights() == 0
     assert late.request("WEIGHTS_INFO").header["manifest"] == manifest0
+    assert late.source(0).address.endswith(f":{learner.server.port}")
 
     manifest1, chunks1 = pack_state_dict(synthetic_weights(64 << 10, seed=1), 1, 16 << 10)
-    learner.request("PUBLISH_BEGIN", {"manifest": manifest1})
-    learner.put_chunks(1, chunks1[:-1])
-    with pytest.raises(TransportError) as exc:
-        learner.request("PUBLISH_COMMIT", {"version": 1})
-    assert exc.value.code == "incomplete"
-    learner.put_chunks(1, chunks1)  # every chunk in, still no COMMIT
-    assert late.request("WEIGHTS_INFO").header["manifest"]["version"] == 0
-    assert late.heartbeat() == 0 and learner.stats()["policy_version"] == 0
-    with pytest.raises(TransportError) as exc:
-        late.request("WEIGHTS_GET", {"version": 1, "chunk": 0})
-    assert exc.value.code == "version_gone"
-    learner.request("PUBLISH_COMMIT", {"version": 1})
-    assert late.heartbeat() == 1 and late.sync_weights() == 1
-
-    for old in (manifest1, manifest0):  # a restarted learner must not roll the actors back
+    for old in (manifest0,):  # a restarted learner must not roll the actors back
+        learner.send_weights(manifest1, chunks1)
         with pytest.raises(TransportError) as exc:
-            learner.request("PUBLISH_BEGIN", {"manifest": old})
+            learner.request("PUBLISH", {"manifest": old})
         assert exc.value.code == "version_backwards"
-    assert learner.stats()["rejected_version_backwards"] == 2
+    assert learner.stats()["rejected_version_backwards"] == 1
+    assert late.heartbeat() == 1 and late.sync_weights() == 1
 
     learner.publish(2)
     manifest3, chunks3 = learner.publish(3)
     for gone in (0, 1):  # only the newest and the one before it are kept
         with pytest.raises(TransportError) as exc:
-            late.request("WEIGHTS_GET", {"version": gone, "chunk": 0})
+            late.source(gone)
         assert exc.value.code == "version_gone"
-    assert late.request("WEIGHTS_GET", {"version": 2, "chunk": 0}).kind == "WEIGHTS_CHUNK"
     newcomer = ScriptedActor(broker.address, "newcomer")
     assert newcomer.hello() == 3
     info = newcomer.request("WEIGHTS_INFO").header["manifest"]
     assert info == manifest3
-    assert [bytes(c) for c in fetch_chunks(newcomer.client, info)] == [bytes(c) for c in chunks3]
-
-
-def test_a_published_chunk_is_checked_as_a_tensor_first_then_as_a_chunk(start_broker):
-    """docs/protocol.md §4 PUBLISH_CHUNK: §3's frame-length rule first (a 0-D `data` of 4 bytes
-    is `size_mismatch` on `tensors.data`), then `bad_dtype` for anything but 1-D |u1 (a 0-D
-    one of 1 byte, a 1-D float32 one)."""
-    broker = start_broker()
-    learner = ScriptedLearner(broker.address, "learner")
-    learner.hello(batch_size=2)
-    manifest, _ = pack_state_dict(synthetic_weights(4096, seed=0), 0, 1024)
-    learner.request("PUBLISH_BEGIN", {"manifest": manifest})
-
-    def refusal(data: np.ndarray, shape: list[int] | None = None) -> tuple[str, str]:
-        head = {"id": "learner", "req": 1, "version": 0, "chunk": 0}
-        frames = [bytes(f) for f in encode("PUBLISH_CHUNK", head, {"data": data})]
-        if shape is not None:  # numpy's encoder never writes a 0-D shape: edit the descriptor
-            frames = repack(frames, lambda h: h["tensors"]["data"].update(shape=shape))
-        reply = learner.send_raw(frames)
-        assert reply is not None and reply.kind == "ERROR", reply
-        return reply.header["code"], reply.header["field"]
-
-    assert refusal(np.zeros(4, dtype=np.uint8), shape=[]) == ("size_mismatch", "tensors.data")
-    assert refusal(np.zeros(1, dtype=np.uint8), shape=[]) == ("bad_dtype", "data")
-    assert refusal(np.zeros(256, dtype=np.float32)) == ("bad_dtype", "data")
-    assert refusal(np.zeros(1000, dtype=np.uint8)) == ("size_mismatch", "data")  # not 1024
+    assert [bytes(c) for c in fetch_chunks(newcomer, info)] == [bytes(c) for c in chunks3]
 
 
 # ------------------------------------------------------------------------------ 7. GRPO groups

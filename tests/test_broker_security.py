@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import numpy as np
 import pytest
 from broker_peers import (
     BrokerProcess,
@@ -103,8 +102,7 @@ def base_messages(latest: int) -> dict[str, tuple[dict, dict | None]]:
     The trajectory names a permit nobody holds, so no mutation of it can be accepted; the rest
     may be valid, and then are served as any valid request is.
     """
-    manifest, chunks = pack_state_dict(synthetic_weights(64, seed=latest + 1), latest + 1, 32)
-    data = np.frombuffer(chunks[0], dtype=np.uint8).copy()
+    manifest, _ = pack_state_dict(synthetic_weights(64, seed=latest + 1), latest + 1, 32)
     return {
         "HELLO": ({"role": "actor", "version": latest, "held_permits": []}, None),
         "HEARTBEAT": ({"version": latest}, None),
@@ -112,12 +110,10 @@ def base_messages(latest: int) -> dict[str, tuple[dict, dict | None]]:
         "TRAJ": (SEGMENT.header(), SEGMENT.arrays()),
         "BYE": ({}, None),
         "WEIGHTS_INFO": ({}, None),
-        "WEIGHTS_GET": ({"version": latest, "chunk": 0}, None),
+        "WEIGHTS_WHERE": ({"version": latest, "failed": []}, None),
         "STATS": ({}, None),
         "GET_BATCH": ({"version": latest, "n": 1, "publishes_after": False}, None),
-        "PUBLISH_BEGIN": ({"manifest": manifest}, None),
-        "PUBLISH_CHUNK": ({"version": latest + 1, "chunk": 0}, {"data": data}),
-        "PUBLISH_COMMIT": ({"version": latest + 1000}, None),
+        "PUBLISH": ({"manifest": manifest}, None),
     }
 
 
@@ -162,7 +158,7 @@ def manifest_mutations(header: dict, client: str) -> Iterator[list]:
     """Every key of a weight manifest, of its first chunk and of its first tensor, set to every
     value (and extreme shapes)."""
     manifest = header["manifest"]
-    frames = [bytes(f) for f in encode("PUBLISH_BEGIN", {"manifest": manifest, "id": client})]
+    frames = [bytes(f) for f in encode("PUBLISH", {"manifest": manifest, "id": client})]
 
     def with_manifest(m: dict) -> list:
         return packed({**msgpack.unpackb(frames[0], raw=False), "manifest": m}, frames)
@@ -188,14 +184,14 @@ def schema_fuzz(latest: int, client: str, kinds: set[str]) -> Iterator[tuple[str
         if tensors:
             for frames in tensor_mutations(kind, header, tensors, client):
                 yield kind, frames
-        if kind == "PUBLISH_BEGIN":
+        if kind == "PUBLISH":
             for frames in manifest_mutations(header, client):
                 yield kind, frames
     for raw in (b"\x91" * 5000 + b"\xc0", b"\xdf\xff\xff\xff\xff", b"\xc1", b"", b"\x80"):
         yield "frame0", [raw]
 
 
-ACTOR_SIDE = CLIENT_KINDS - {"GET_BATCH", "PUBLISH_BEGIN", "PUBLISH_CHUNK", "PUBLISH_COMMIT"}
+ACTOR_SIDE = CLIENT_KINDS - {"GET_BATCH", "PUBLISH"}
 
 
 def send_all(peer: Peer, messages: Iterator[tuple[str, list]], broker: BrokerProcess) -> Counter:
@@ -231,6 +227,7 @@ def test_schema_fuzz_never_crashes_the_broker_nor_loses_accepted_data(tmp_path):
         # The learner's own connection fuzzes the learner's kinds (so their handlers see it) ...
         seen = send_all(learner, schema_fuzz(0, "learner", CLIENT_KINDS - ACTOR_SIDE), broker)
         latest = learner.hello(batch_size=4)  # the fuzz may have renamed or re-sized the learner
+        latest = learner.publish(latest + 1)[0]["version"]  # the fuzz's versions are not served
         # ... then a real actor plays whole episodes while a registered actor floods the rest.
         good = ScriptedActor(broker.address, "good")
         good.hello()
@@ -250,7 +247,7 @@ def test_schema_fuzz_never_crashes_the_broker_nor_loses_accepted_data(tmp_path):
         stats = Peer(broker.address, "probe").stats()
         assert stats.get("rejected_internal", 0) == 0, broker.log_tail()
         assert stats["accepted"] == len(accepted) == 12
-        assert sum(seen.values()) > 3000, seen
+        assert sum(seen.values()) > 2500, seen  # (the broker serves no weight chunks: peers do)
         for code in (
             "bad_type",
             "bad_value",

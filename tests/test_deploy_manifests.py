@@ -29,8 +29,11 @@ METRICS_PORT = 9100
 BROKER_PORT = 5555
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 
-HISTOGRAMS = {
-    "asyncppo_broker_weight_fanout_seconds",
+WEIGHT_PHASES = {  # docs/architecture.md, Weights: the pause apart from the transfer
+    f"asyncppo_actor_weights_{phase}_seconds"
+    for phase in ("pause", "first_byte", "transfer", "verify", "load")
+}
+HISTOGRAMS = WEIGHT_PHASES | {
     "asyncppo_learner_staleness",
     "asyncppo_learner_step_seconds",
     "asyncppo_actor_episode_reward",
@@ -71,9 +74,11 @@ KNOWN_METRICS = HISTOGRAMS | {
     "asyncppo_actor_segments_sent_total",
     "asyncppo_actor_policy_version",
     "asyncppo_actor_hacks_intercepted_total",
+    "asyncppo_weights_bytes_served_total",
+    "asyncppo_weights_bytes_fetched_total",
 }
 # One metric per view the dashboard must show.
-REQUIRED_ON_DASHBOARD = {
+REQUIRED_ON_DASHBOARD = WEIGHT_PHASES | {
     "asyncppo_broker_trajectories_accepted_total",
     "asyncppo_learner_action_tokens_trained_total",
     "asyncppo_learner_reward_mean",

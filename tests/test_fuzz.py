@@ -170,8 +170,8 @@ GOOD = {
     "HELLO": frames_of("HELLO", {"role": "actor", "version": 0}),
     "PERMITS_REQ": frames_of("PERMITS_REQ", {"n": 2, "version": 0}),
     "GET_BATCH": frames_of("GET_BATCH", {"version": 0, "n": 4, "publishes_after": True}),
-    "PUBLISH_CHUNK": frames_of(
-        "PUBLISH_CHUNK", {"version": 1, "chunk": 0}, {"data": np.zeros(64, np.uint8)}
+    "WEIGHTS_CHUNK": frames_of(  # what a peer's chunk server answers: untrusted too
+        "WEIGHTS_CHUNK", {"version": 1, "chunk": 0}, {"data": np.zeros(64, np.uint8)}
     ),
 }
 WRONG_TYPES = [None, "x", 1.5, True, [1], {"a": 1}, b"\x00"]  # True is wrong for an int field
@@ -253,7 +253,7 @@ def bad_segment(rng: random.Random, frames: list) -> list:
     return frames_of("TRAJ", seg.header(), seg.arrays())
 
 
-ALL, WITH_TENSORS = tuple(GOOD), ("TRAJ", "PUBLISH_CHUNK")
+ALL, WITH_TENSORS = tuple(GOOD), ("TRAJ", "WEIGHTS_CHUNK")
 OPERATORS: list[tuple[Callable[[random.Random, list], list], tuple[str, ...]]] = [
     (garbage_header, ALL),
     (truncated_header, ALL),

@@ -37,7 +37,6 @@ from common.weights import pack_state_dict, unpack_state_dict
 from deploy.cli import build_parser
 from learner.algorithms import Targets
 from learner.batch import Batch, group_episodes, micro_batches, split_for_rank
-from learner.link import PUBLISH_GROUP
 from learner.models import Policy, token_logprobs
 from learner.step import EV_WINDOW, TrainStep, clip_epsilon
 from learner.trainer import Learner
@@ -610,16 +609,12 @@ class FakeBroker:
         if self.fail_first:
             self.fail_first -= 1
             raise TransportError(f"{kind}: no reply in time")
-        if kind == "PUBLISH_BEGIN":
+        if kind == "PUBLISH":
             self.sent[-1] = (kind, header["manifest"]["version"], self.learner.health.ready)
-        if kind == "PUBLISH_COMMIT":
-            self.latest = header["version"]
+            self.latest = header["manifest"]["version"]
         return SimpleNamespace(
             kind="WELCOME", header={"latest_version": self.latest, "heartbeat_s": 5.0}
         )
-
-    def pipeline(self, kind: str, headers: list[dict], **kw) -> None:
-        self.sent.append((kind, len(headers), self.learner.health.ready))
 
     def close(self) -> None:
         pass
@@ -634,10 +629,9 @@ def test_long_phases_keep_the_liveness_watchdog_fed(new_learner, tiny_model):
     assert health.beats.count("scoring the batch") == n_micro
     assert health.beats.count("training") == 2 * n_micro  # critic, then policy
     learner.link.client = FakeBroker(learner, latest_version=-1)
-    learner.publish()
-    chunk_groups = [n for kind, n, _ in learner.link.client.sent if kind == "PUBLISH_CHUNK"]
-    assert len(chunk_groups) > 1 and max(chunk_groups) == PUBLISH_GROUP
-    assert health.beats.count("publishing weights") == 1 + len(chunk_groups)
+    learner.publish()  # the chunks stay here, served to fetchers: one message to the broker
+    assert [kind for kind, _, _ in learner.link.client.sent] == ["PUBLISH"]
+    assert health.beats.count("publishing weights") == 1
     health.beats.clear()
     learner.save_checkpoint()
     assert health.beats[:2] == ["saving the policy checkpoint", "saving the critic checkpoint"]
@@ -674,7 +668,7 @@ def test_a_broker_that_lost_the_weights_gets_the_current_version_again(new_learn
     assert [kind for kind, _, _ in broker.sent] == ["HELLO"]
     broker.latest = -1  # restarted without a spool
     learner.link.reconnect()
-    begins = [version for kind, version, _ in broker.sent if kind == "PUBLISH_BEGIN"]
+    begins = [version for kind, version, _ in broker.sent if kind == "PUBLISH"]
     assert begins == [5] and broker.latest == 5 and learner.version == 5
 
 
@@ -687,7 +681,7 @@ def test_a_publish_retries_until_the_broker_answers_unless_the_learner_is_stoppi
     learner.version, broker.fail_first = 1, 1000  # the broker is gone for good
     learner._stop = True  # SIGTERM: on to the final checkpoint after one failed try
     learner.publish()
-    assert [kind for kind, _, _ in broker.sent] == ["PUBLISH_BEGIN"] and broker.latest == 0
+    assert [kind for kind, _, _ in broker.sent] == ["PUBLISH"] and broker.latest == 0
 
 
 def sampled_segments(model: Path, params: SamplingParams) -> list[Segment]:

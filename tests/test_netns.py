@@ -1,9 +1,10 @@
 """Roles on separate hosts: broker, learner and two actors, each in its own network namespace.
 
 The test builds the network itself: one namespace per role, and a veth cable from each client
-namespace to the broker's (10.77.<i>.2 on the client end, 10.77.<i>.1 on the broker's). Every
-namespace has only its loopback and its cable, so a role that silently used localhost or the
-wrong address could not reach the broker. Nothing outside these namespaces is touched: no
+namespace to the broker's (10.77.<i>.2 on the client end, 10.77.<i>.1 on the broker's), which
+routes between them (weight chunks go from peer to peer). Every namespace has only its loopback
+and its cable, so a role that silently used localhost or the wrong address could not reach the
+broker or a peer. Nothing outside these namespaces is touched: no
 address is added to the host, and no packet leaves them. Skips, saying why, where namespaces
 cannot be made (not root, no veth, a container without CAP_SYS_ADMIN).
 """
@@ -85,6 +86,9 @@ class Hosts:
             )
             ip("-n", hub, "link", "set", f"veth{i}", "up")
             ip("-n", self.ns(client), "link", "set", "eth0", "up")
+            # Peers reach each other's chunk servers through the hub (docs/protocol.md §6.3).
+            ip("-n", self.ns(client), "route", "add", "default", "via", self.broker_address(client))
+        self.run("broker", ["sysctl", "-qw", "net.ipv4.ip_forward=1"], check=True)
 
     def remove(self) -> None:
         for name in self.made:

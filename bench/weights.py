@@ -1,0 +1,330 @@
+"""Weight distribution: a new version to N actors over rate-limited links, chain against star.
+
+Every host is a network namespace behind its own veth cable to a switch (a bridge), and every
+cable is limited by ``tc tbf`` in both directions (``--rate``), so links, not memory copies, are
+the bottleneck, as on a cluster: a broker, a learner that serves the version it publishes, and N
+fetchers, each an actor's weight path (HELLO with a chunk server, WEIGHTS_WHERE, every chunk
+sha256-checked, served on at once). The same run measures both of the broker's policies:
+
+* ``chain`` (the default): each fetcher is sent to the one that asked before it;
+* ``star``: everyone fetches from the learner, N copies through its one link: the cost of a
+  broker fan-out (the old design, where the broker relayed every copy through its link).
+
+Reported per (design, size, N): seconds from PUBLISH until all N hold the version (and until the
+first does), bytes through the busiest cable, the broker's resident memory; and the ratio to
+N = 1. Needs root (``ip netns``, ``tc``). Writes docs/results/weights.json and weights.png
+(weights_quick.* with --quick).
+
+    python bench/weights.py [--quick] [--rate 100mbit] [--out docs/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFIX = "aw"  # namespace names: aw-sw (the switch), aw-broker, aw-learner, aw-f1 ...
+MB = 1 << 20
+PORT = 5555
+CHUNK_BYTES = 1 * MB  # learner.weight_chunk_bytes's default
+
+
+# ------------------------------------------------------------------------------ the hosts
+def sh(*args: str) -> str:
+    out = subprocess.run(args, capture_output=True, text=True)
+    if out.returncode:
+        raise OSError(f"{' '.join(args)}: {out.stderr.strip()}")
+    return out.stdout
+
+
+def ns(host: str) -> str:
+    return f"{PREFIX}-{host}"
+
+
+def address(index: int) -> str:
+    return f"10.88.0.{index + 1}"
+
+
+class Network:
+    """Hosts on one switch, every cable rate-limited both ways."""
+
+    def __init__(self, hosts: list[str], rate: str) -> None:
+        self.hosts, self.rate = hosts, rate
+
+    def build(self) -> None:
+        self.remove()
+        sh("ip", "netns", "add", ns("sw"))
+        sh("ip", "-n", ns("sw"), "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", ns("sw"), "link", "set", "br0", "up")
+        for i, host in enumerate(self.hosts):
+            sh("ip", "netns", "add", ns(host))
+            sh("ip", "-n", ns(host), "link", "set", "lo", "up")
+            port = f"p{i}"
+            sh("ip", "-n", ns("sw"), "link", "add", port, "type", "veth", "peer", "name", "eth0",
+               "netns", ns(host))  # fmt: skip
+            sh("ip", "-n", ns("sw"), "link", "set", port, "master", "br0")
+            sh("ip", "-n", ns("sw"), "link", "set", port, "up")
+            sh("ip", "-n", ns(host), "addr", "add", f"{address(i)}/24", "dev", "eth0")
+            sh("ip", "-n", ns(host), "link", "set", "eth0", "up")
+            for where, dev in ((ns(host), "eth0"), (ns("sw"), port)):  # up- and downlink
+                sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                   "rate", self.rate, "burst", "256kb", "latency", "100ms")  # fmt: skip
+
+    def remove(self) -> None:
+        for host in ("sw", *self.hosts):
+            subprocess.run(["ip", "netns", "del", ns(host)], capture_output=True)
+
+    def sent(self) -> dict[str, tuple[int, int]]:
+        """(bytes sent, bytes received) of each host's cable (kernel counters)."""
+        out = {}
+        for host in self.hosts:
+            stats = json.loads(sh("ip", "-n", ns(host), "-j", "-s", "link", "show", "dev", "eth0"))
+            out[host] = (stats[0]["stats64"]["tx"]["bytes"], stats[0]["stats64"]["rx"]["bytes"])
+        return out
+
+    def start(self, host: str, args: list[str], log: Path) -> subprocess.Popen:
+        from common.lifecycle import spawn
+
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        with open(log, "wb") as out:
+            return spawn(["ip", "netns", "exec", ns(host), sys.executable, *args], cwd=ROOT,
+                         env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the roles
+def serve(broker: str, nbytes: int, go: Path) -> None:
+    """The learner's weight path: serve a version of ``nbytes`` and PUBLISH it once the file
+    ``go`` exists; print when it published."""
+    from common.config import SecurityConfig
+    from common.peers import PeerServer
+    from common.pieces import Pieces
+    from common.transport import Client, Endpoint
+    from common.weights import pack_state_dict
+
+    endpoint = Endpoint(SecurityConfig(), 256 * MB)
+    server = PeerServer(endpoint, "tcp://0.0.0.0:0")
+    client = Client(endpoint, broker, "learner", timeout_s=30)
+    client.request("HELLO", {"role": "learner", "version": 0, "batch_size": 1,
+                             "publish_every": 1, "peer_port": server.port})  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    manifest, chunks = pack_state_dict(
+        {"w": torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=gen)}, 0, CHUNK_BYTES
+    )
+    server.offer(Pieces(manifest, chunks))
+    print(json.dumps({"ready": True}), flush=True)
+    while not go.exists():
+        time.sleep(0.001)
+    published = time.time()
+    client.request("PUBLISH", {"manifest": manifest})
+    print(json.dumps({"published": published}), flush=True)
+    signal.sigwait({signal.SIGTERM})
+
+
+def fetcher(broker: str, name: str) -> None:
+    """An actor's weight path: a chunk server, HELLO, then the first version published, fetched
+    from whom the broker names and served on; prints when it started and finished."""
+    from common.config import SecurityConfig
+    from common.peers import PeerServer, Source, fetch
+    from common.pieces import Pieces
+    from common.transport import Client, Endpoint
+
+    endpoint = Endpoint(SecurityConfig(), 256 * MB)
+    server = PeerServer(endpoint, "tcp://0.0.0.0:0")
+    client = Client(endpoint, broker, name, timeout_s=30)
+    client.request("HELLO", {"role": "actor", "version": -1, "peer_port": server.port})
+    print(json.dumps({"ready": True}), flush=True)
+    while (info := client.request("WEIGHTS_INFO")).kind != "WEIGHTS_MANIFEST":
+        time.sleep(0.005)
+    started = time.time()
+    pieces = Pieces(info.header["manifest"])
+    server.offer(pieces)
+    sources: list[str] = []
+
+    def where(failed: list[str]) -> Source:
+        reply = client.request("WEIGHTS_WHERE", {"version": pieces.version, "failed": failed})
+        sources.append(reply.header["source"]["id"])
+        return Source(**reply.header["source"])
+
+    fetch(pieces, where, endpoint, name, stall_s=120)
+    done = time.time()
+    pieces.tensors()  # every tensor's sha256, as an actor checks before loading
+    print(json.dumps({"started": started, "done": done, "verified": time.time(),
+                      "sources": sources}), flush=True)  # fmt: skip
+    signal.sigwait({signal.SIGTERM})
+
+
+# ------------------------------------------------------------------------------ the runs
+def last_json(path: Path, key: str, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in reversed(path.read_text().splitlines() if path.exists() else []):
+            if line.startswith("{") and key in (row := json.loads(line)):
+                return row
+        time.sleep(0.05)
+    raise TimeoutError(f"{path}: no {key!r} within {timeout_s} s: {path.read_text()[-2000:]}")
+
+
+def run(net: Network, logs: Path, design: str, nbytes: int, n: int, rate_bps: float) -> dict:
+    """One version of ``nbytes`` to ``n`` fetchers under ``design``."""
+    bench = str(Path(__file__).resolve())
+    broker_at = f"tcp://{address(0)}:{PORT}"
+    tag = f"{design}-{nbytes // MB}MB-{n}"
+    procs = [
+        net.start("broker", ["-m", "deploy.cli", "broker", "--set", f"broker.bind={broker_at}",
+                             "--set", f"broker.weights_fanout={design}",
+                             "--set", "broker.heartbeat_timeout_s=600",
+                             "--set", f"run.out_dir={logs}"], logs / f"{tag}-broker.log"),
+    ]  # fmt: skip
+    try:
+        broker = psutil.Process(procs[0].pid)
+        time.sleep(2.0)
+        learner_log, go = logs / f"{tag}-learner.log", logs / f"{tag}-go"
+        go.unlink(missing_ok=True)
+        procs.append(
+            net.start("learner", [bench, "serve", broker_at, str(nbytes), str(go)], learner_log)
+        )
+        fetch_logs = [logs / f"{tag}-f{i}.log" for i in range(n)]
+        procs += [
+            net.start(f"f{i}", [bench, "fetch", broker_at, f"f{i}"], fetch_logs[i])
+            for i in range(n)
+        ]
+        last_json(learner_log, "ready", 120)
+        for log in fetch_logs:
+            last_json(log, "ready", 120)
+        before, rss_before = net.sent(), broker.memory_info().rss
+        psutil.cpu_percent()  # the machine's busy share is measured from here
+        go.write_text("go\n")
+        published = last_json(learner_log, "published", 60)["published"]
+        done = [last_json(log, "done", 60 + 4 * n * nbytes * 8 / rate_bps) for log in fetch_logs]
+        after, busy = net.sent(), psutil.cpu_percent() / 100
+        # a cable carries both ways at once: its load is the busier direction
+        moved = {h: max(after[h][0] - before[h][0], after[h][1] - before[h][1]) for h in after}
+        busiest = max(moved, key=moved.get)
+        row = {
+            "design": design,
+            "bytes": nbytes,
+            "actors": n,
+            "seconds_all": max(d["done"] for d in done) - published,
+            "seconds_first": min(d["done"] for d in done) - published,
+            "seconds_each": sorted(d["done"] - published for d in done),
+            "one_link_seconds": nbytes * 8 / rate_bps,
+            "busiest_cable": busiest,
+            "busiest_cable_bytes": moved[busiest],
+            "busiest_cable_versions": moved[busiest] / nbytes,
+            "broker_rss_bytes": broker.memory_info().rss,
+            "broker_rss_growth_bytes": broker.memory_info().rss - rss_before,
+            "machine_cpu_busy": busy,  # near 1: the cores, not the links, set the pace
+            "sources": [d["sources"] for d in done],
+        }
+        print(f"{design:5s} {nbytes // MB:4d} MB  N={n:2d}: all in {row['seconds_all']:6.2f} s "
+              f"(first {row['seconds_first']:5.2f} s; one link {row['one_link_seconds']:5.2f} s), "
+              f"busiest cable {row['busiest_cable_versions']:.1f} versions, cores {busy:.0%} busy",
+              flush=True)  # fmt: skip
+        return row
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (design, nbytes), marker in zip(
+        sorted({(r["design"], r["bytes"]) for r in report["runs"]}), "osd^vx", strict=False
+    ):
+        rows = [r for r in report["runs"] if (r["design"], r["bytes"]) == (design, nbytes)]
+        ax.plot([r["actors"] for r in rows], [r["seconds_all"] for r in rows], marker + "-",
+                label=f"{design}, {nbytes // MB} MB")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set(xlabel="actors", ylabel="seconds until all hold the version",
+           title=f"A version to N actors, every link {report['rate']}")  # fmt: skip
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("serve", "fetch"):
+        sys.path.insert(0, str(ROOT))  # run by path inside a namespace: the repository's packages
+        if sys.argv[1] == "serve":
+            serve(sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]))
+        else:
+            fetcher(sys.argv[2], sys.argv[3])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 MB to 1 and 4 actors")
+    parser.add_argument("--rate", default="100mbit", help="every cable's rate, both ways (tc)")
+    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench/weights.py needs root: it builds network namespaces and tc rate limits")
+    rate_bps = float(args.rate.removesuffix("mbit")) * 1e6
+    sizes = [16 * MB] if args.quick else [64 * MB, 256 * MB]
+    counts = (1, 4) if args.quick else (1, 2, 4, 8, 16)
+    net = Network(["broker", "learner", *(f"f{i}" for i in range(max(counts)))], args.rate)
+    logs = ROOT / "runs" / "bench-weights"
+    logs.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "benchmark": "weights",
+        "command": "python bench/weights.py"
+        + (" --quick" if args.quick else "")
+        + ("" if args.rate == "100mbit" else f" --rate {args.rate}"),
+        "commit": sh("git", "-C", str(ROOT), "rev-parse", "HEAD").strip(),
+        "rate": args.rate,
+        "chunk_bytes": CHUNK_BYTES,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "notes": [
+            "Every host is a network namespace with one veth cable to a bridge, limited by tc tbf "
+            "to the rate in both directions; all processes share this machine's cores.",
+            "star = every fetcher from the learner's one link: the cost of the old broker fan-out "
+            "(N copies through the broker's link); chain = each from the one before it.",
+            "seconds_all: from PUBLISH until every fetcher holds every chunk, each sha256-checked "
+            "as it arrived (the tensors' sha256 after that is not included).",
+        ],
+        "runs": [],
+    }
+    try:
+        net.build()
+        for nbytes in sizes:
+            for design in ("chain", "star"):
+                for n in counts:
+                    if design == "star" and nbytes > 64 * MB and n > 4:
+                        continue  # N transfers through one link: minutes; the trend is clear
+                    report["runs"].append(run(net, logs, design, nbytes, n, rate_bps))
+    finally:
+        net.remove()
+    for row in report["runs"]:
+        one = next(
+            r
+            for r in report["runs"]
+            if (r["design"], r["bytes"], r["actors"]) == (row["design"], row["bytes"], 1)
+        )
+        row["ratio_to_one_actor"] = row["seconds_all"] / one["seconds_all"]  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "weights_quick" if args.quick else "weights"
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out / f"{stem}.png")
+    print(f"wrote {args.out / stem}.json and .png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""Weights around the broker (docs/protocol.md §6.3): the broker names sources, peers serve
+chunks; a chain of fetchers gets every byte right, a dead or lying peer is routed around, the
+broker's memory does not grow with a version's size, and actors play on while they fetch."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import zmq
+from broker_peers import BrokerProcess, Peer, ScriptedActor, ScriptedLearner, synthetic_weights
+from test_broker import start_broker, wait_until  # noqa: F401  (the fixture)
+
+from actors.actor import Actor
+from common.config import SecurityConfig, load_config
+from common.peers import PeerServer, fetch
+from common.pieces import Pieces
+from common.protocol import ProtocolError, decode, encode
+from common.transport import Endpoint
+from common.weights import pack_state_dict
+
+
+class Fetcher(ScriptedActor):
+    """An actor that serves what it fetches: HELLO with its chunk server's port."""
+
+    def __init__(self, address: str, actor_id: str, **kw):
+        super().__init__(address, actor_id, **kw)
+        self.server = PeerServer(self.client.endpoint, "tcp://127.0.0.1:0", park_s=1.0)
+        self.sources: list[str] = []
+
+    def hello(self, held=()) -> int:
+        header = {"role": "actor", "version": self.version, "held_permits": list(held)}
+        header["peer_port"] = self.server.port
+        return self.request("HELLO", header).header["latest_version"]
+
+    def get(self, manifest: dict, stall_s: float = 2.0) -> Pieces:
+        pieces = Pieces(manifest)
+        self.server.offer(pieces)
+
+        def where(failed: list[str]):
+            source = self.source(manifest["version"], failed)
+            self.sources.append(source.id)
+            return source
+
+        assert fetch(pieces, where, self.client.endpoint, self.id, stall_s=stall_s)
+        return pieces
+
+    def close(self) -> None:
+        super().close()
+        self.server.close()
+
+
+def serving(broker: BrokerProcess) -> tuple[ScriptedLearner, dict, list]:
+    """A learner that published version 0 (256 KiB in 16 chunks) and serves it."""
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.hello(batch_size=2)
+    return learner, *learner.publish(0, nbytes=256 << 10, chunk_bytes=16 << 10)
+
+
+def test_a_chain_of_fetchers_gets_every_byte_each_from_the_one_before(start_broker):  # noqa: F811
+    learner, manifest, chunks = serving(broker := start_broker())
+    fetchers = [Fetcher(broker.address, f"a{i}") for i in range(3)]
+    for f in fetchers:
+        f.hello()
+    got = [f.get(manifest) for f in fetchers]
+    assert [f.sources for f in fetchers] == [["learner"], ["a0"], ["a1"]]
+    for pieces in got:
+        assert [bytes(c) for c in pieces.chunks] == [bytes(c) for c in chunks]
+        assert set(pieces.tensors()) == {"layer.weight", "layer.bias"}
+    star = start_broker({"broker.weights_fanout": "star"})  # the comparison: all from the learner
+    learner2, manifest2, _ = serving(star)
+    more = [Fetcher(star.address, f"b{i}") for i in range(2)]
+    for f in more:
+        f.hello()
+        f.get(manifest2)
+    assert [f.sources for f in more] == [["learner"], ["learner"]]
+    for peer in (*fetchers, *more, learner, learner2):
+        peer.close()
+
+
+def test_a_relay_that_stops_serving_mid_version_is_routed_around(start_broker):  # noqa: F811
+    """The chain's relay holds half the chunks and never gets the rest (killed, frozen): the
+    fetcher after it takes the first half from it, waits, gives it up, and gets the rest from the
+    learner, byte for byte."""
+    learner, manifest, chunks = serving(broker := start_broker())
+    relay, last = Fetcher(broker.address, "relay"), Fetcher(broker.address, "last")
+    relay.hello()
+    last.hello()
+    assert relay.source(0).id == "learner"  # the relay joins the chain
+    half = Pieces(manifest)
+    for i in range(len(chunks) // 2):
+        half.put(i, chunks[i])
+    relay.server.offer(half)
+    t0 = time.monotonic()
+    got = last.get(manifest, stall_s=1.0)
+    assert last.sources == ["relay", "learner"]
+    assert [bytes(c) for c in got.chunks] == [bytes(c) for c in chunks]
+    assert time.monotonic() - t0 < 10
+    for peer in (relay, last, learner):
+        peer.close()
+
+
+def test_a_peer_that_serves_a_forged_chunk_is_caught_and_avoided(start_broker):  # noqa: F811
+    learner, manifest, chunks = serving(broker := start_broker())
+    liar, honest, later = (Fetcher(broker.address, name) for name in ("liar", "honest", "later"))
+    for f in (liar, honest, later):
+        f.hello()
+    assert liar.source(0).id == "learner"
+    forged = [bytes(c) for c in chunks]
+    forged[1] = bytes(b ^ 0xFF for b in forged[1])  # one flipped chunk
+    liar.server.offer(Pieces(manifest, forged))  # served as if it checked
+    got = honest.get(manifest)
+    assert honest.sources == ["liar", "learner"]
+    assert [bytes(c) for c in got.chunks] == [bytes(c) for c in chunks]
+    later.get(manifest)
+    assert "liar" not in later.sources  # reported once, avoided by everyone
+    for peer in (liar, honest, later, learner):
+        peer.close()
+
+
+def manifest_of(total_bytes: int, chunk_bytes: int, version: int) -> dict:
+    """A valid manifest of ``total_bytes`` (a multiple of 4096: one uint8 matrix) without the
+    bytes behind it."""
+    digest = hashlib.sha256(b"").hexdigest()
+    n = max(1, -(-total_bytes // chunk_bytes))
+    return {
+        "version": version,
+        "chunk_bytes": chunk_bytes,
+        "total_bytes": total_bytes,
+        "chunks": [
+            {"nbytes": min(chunk_bytes, total_bytes - i * chunk_bytes), "sha256": digest}
+            for i in range(n)
+        ],
+        "tensors": [
+            {"name": "w", "dtype": "uint8", "shape": [total_bytes // 4096, 4096], "offset": 0,
+             "nbytes": total_bytes, "sha256": digest}
+        ],
+    }  # fmt: skip
+
+
+def test_the_brokers_memory_does_not_grow_with_a_versions_size(tmp_path: Path) -> None:
+    """Versions of 16 MiB, then of 4 GiB: the broker holds manifests, never bytes."""
+    with BrokerProcess(tmp_path / "broker.log") as broker:
+        process = psutil.Process(broker.proc.pid)
+        learner = ScriptedLearner(broker.address, "learner")
+        learner.hello(batch_size=2)
+        for version in range(3):  # warm-up: the handlers' first use
+            learner.request("PUBLISH", {"manifest": manifest_of(16 << 20, 4 << 20, version)})
+        small = process.memory_info().rss
+        for version in range(3, 6):
+            learner.request("PUBLISH", {"manifest": manifest_of(4 << 30, 4 << 20, version)})
+        grown = process.memory_info().rss - small
+        assert Peer(broker.address, "probe").stats()["policy_version"] == 5
+        assert grown < 8 << 20, f"the broker grew by {grown / 2**20:.1f} MiB for 4 GiB versions"
+        learner.close()
+
+
+def test_a_chunk_server_answers_anything_and_serves_on() -> None:
+    """Whatever a connection sends a chunk server (another kind, a bad header, an unknown
+    version, a chunk out of range) gets an ERROR naming the field; valid requests are served."""
+    endpoint = Endpoint(SecurityConfig(), 1 << 20)
+    server = PeerServer(endpoint, "tcp://127.0.0.1:0", park_s=0.2)
+    manifest, chunks = pack_state_dict(synthetic_weights(4096), 3, 1024)
+    server.offer(Pieces(manifest, chunks))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{server.port}")
+
+    def ask(frames: list) -> dict:
+        sock.send_multipart(frames)
+        assert sock.poll(5000)
+        reply = decode(sock.recv_multipart(copy=False))
+        return reply
+
+    def get(version: int, chunk: int, **extra) -> list:
+        return [bytes(f) for f in encode("WEIGHTS_GET", {"id": "x", "req": 1, "version": version,
+                                                           "chunk": chunk, **extra})]  # fmt: skip
+
+    try:
+        assert ask([b"\xc1"]).header["code"] == "bad_header"
+        other = [bytes(f) for f in encode("PERMITS_REQ", {"id": "x", "n": 1, "version": 3})]
+        assert ask(other).header["code"] == "unknown_kind"
+        assert ask(get(9, 0)).header["code"] == "version_gone"
+        assert ask(get(3, 99)).header["field"] == "chunk"
+        assert ask(get(3, "0")).header["code"] == "bad_type"
+        reply = ask(get(3, 2))
+        assert reply.kind == "WEIGHTS_CHUNK" and bytes(reply.tensors["data"]) == bytes(chunks[2])
+        parked = Pieces(manifest_of(8192, 4096, 4))
+        server.offer(parked)
+        assert ask(get(4, 0)).header["code"] == "not_yet"  # after park_s
+    finally:
+        sock.close()
+        server.close()
+
+
+def test_pieces_keep_only_chunks_that_check() -> None:
+    manifest, chunks = pack_state_dict(synthetic_weights(4096), 0, 1024)
+    pieces = Pieces(manifest)
+    with pytest.raises(ProtocolError, match="checksum"):
+        pieces.put(0, bytes(len(chunks[0])))
+    with pytest.raises(ProtocolError, match="size_mismatch"):
+        pieces.put(0, bytes(chunks[0])[:-1])
+    assert pieces.missing() == [0, 1, 2, 3] and not pieces.complete
+    for i, c in enumerate(chunks):
+        pieces.put(i, c)
+    assert pieces.complete and pieces.first_at <= pieces.done_at
+
+
+def test_an_actor_plays_on_while_it_fetches_the_next_version(start_broker, tiny_model):  # noqa: F811
+    """η = 2: while version 1 cannot be fetched yet (its source holds back every chunk), the
+    actor at version 0 keeps starting episodes at version 0; once the chunks are there it swaps
+    to version 1 and plays that."""
+    broker = start_broker({"broker.max_staleness": 2})
+    learner = ScriptedLearner(broker.address, "learner")
+    learner.server.close()  # one that holds a request for a chunk it lacks for a minute
+    learner.server = PeerServer(learner.client.endpoint, "tcp://127.0.0.1:0", park_s=60)
+    learner.hello(batch_size=2)
+    learner.publish(0)
+    cfg = load_config(
+        None,
+        [f"actor.broker={broker.address}", f"model.path={tiny_model}", "actor.engine=simulated",
+         "actor.env=digits", "actor.max_inflight_episodes=4", "actor.id=player",
+         "actor.peer_bind=tcp://127.0.0.1:0", "actor.weights_stall_s=60"],
+    )  # fmt: skip
+    actor = Actor(cfg)
+    stop = threading.Event()
+    thread = threading.Thread(target=actor.run, args=(stop.is_set,), daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: actor.engine.version == 0, 30, "version 0")
+        manifest1, chunks1 = pack_state_dict(synthetic_weights(4096, 1), 1, 1024)
+        held_back = Pieces(manifest1)
+        learner.server.offer(held_back)  # the learner "serves" it, without a chunk yet
+        learner.request("PUBLISH", {"manifest": manifest1})
+        wait_until(lambda: actor.link.weights.busy(), 10, "the fetch of version 1")
+        batch: list = []
+        wait_until(lambda: bool(batch.append(learner.get_batch(0, 2)) or batch[-1]), 30,
+                   "episodes at version 0 while version 1 is fetched", every_s=0.1)  # fmt: skip
+        assert actor.engine.version == 0 and all(s.min_version == 0 for s in batch[-1])
+        for i, c in enumerate(chunks1):
+            held_back.put(i, c)
+        wait_until(lambda: actor.engine.version == 1, 30, "the swap to version 1")
+        wait_until(  # after the episodes of version 0 still queued
+            lambda: any(s.min_version == 1 for s in learner.get_batch(1, 2) or []), 60,
+            "episodes played at version 1", every_s=0.1,
+        )  # fmt: skip
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        learner.close()
+    assert not thread.is_alive()
