@@ -167,8 +167,9 @@ class Actor:
         return self.link.latest > max(self.engine.version, self.refused)
 
     def refused_latest(self) -> bool:
-        """Whether the broker's latest version is one this engine refused: no permit can be had
-        (they are granted only at the latest version) until a newer one it can load."""
+        """Whether the broker's latest version is one this engine refused: once its own version
+        is too old to play (docs/protocol.md §7), no permit can be had until a newer version it
+        can load."""
         return 0 <= self.link.latest <= self.refused
 
     def playable(self) -> bool:
@@ -277,9 +278,11 @@ class Actor:
     def turn(self) -> None:
         """One pass of the loop: versions, permits, one driver step, its outcome."""
         self.follow_versions()
-        # Ready while it can play the latest version; a refused one leaves it alive (its loop
-        # runs) but not ready, and it asks for nothing until a newer version.
-        ready = self.health.ready = self.engine.version >= 0 and not self.refused_latest()
+        # Ready while it holds a version it can play, or will once its fetch completes; a
+        # refused latest that leaves it nothing to play keeps it alive (its loop runs) but not
+        # ready, and it asks for nothing until a newer version.
+        stuck = self.refused_latest() and not self.playable()
+        ready = self.health.ready = self.engine.version >= 0 and not stuck
         can_ask = ready and self.playable()
         if can_ask:
             self.absorb(self.driver.start(self.request_permits()))
