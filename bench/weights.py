@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "aw"  # namespace names: aw-sw (the switch), aw-broker, aw-learner, aw-f1 ...
 MB = 1 << 20
 PORT = 5555
-CHUNK_BYTES = 1 * MB  # learner.weight_chunk_bytes's default
+CHUNK_KIB = 1024  # learner.weight_chunk_bytes's default
 
 
 # ------------------------------------------------------------------------------ the hosts
@@ -104,7 +104,7 @@ class Network:
 
 
 # --------------------------------------------------------------------------- the roles
-def serve(broker: str, nbytes: int, go: Path) -> None:
+def serve(broker: str, nbytes: int, chunk_bytes: int, go: Path) -> None:
     """The learner's weight path: serve a version of ``nbytes`` and PUBLISH it once the file
     ``go`` exists; print when it published."""
     from common.config import SecurityConfig
@@ -120,7 +120,7 @@ def serve(broker: str, nbytes: int, go: Path) -> None:
                              "publish_every": 1, "peer_port": server.port})  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     manifest, chunks = pack_state_dict(
-        {"w": torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=gen)}, 0, CHUNK_BYTES
+        {"w": torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=gen)}, 0, chunk_bytes
     )
     server.offer(Pieces(manifest, chunks))
     print(json.dumps({"ready": True}), flush=True)
@@ -176,8 +176,10 @@ def last_json(path: Path, key: str, timeout_s: float) -> dict:
     raise TimeoutError(f"{path}: no {key!r} within {timeout_s} s: {path.read_text()[-2000:]}")
 
 
-def run(net: Network, logs: Path, design: str, nbytes: int, n: int, rate_bps: float) -> dict:
-    """One version of ``nbytes`` to ``n`` fetchers under ``design``."""
+def run(
+    net: Network, logs: Path, design: str, nbytes: int, n: int, rate_bps: float, chunk_bytes: int
+) -> dict:
+    """One version of ``nbytes`` in chunks of ``chunk_bytes`` to ``n`` fetchers under ``design``."""
     bench = str(Path(__file__).resolve())
     broker_at = f"tcp://{address(0)}:{PORT}"
     tag = f"{design}-{nbytes // MB}MB-{n}"
@@ -193,7 +195,11 @@ def run(net: Network, logs: Path, design: str, nbytes: int, n: int, rate_bps: fl
         learner_log, go = logs / f"{tag}-learner.log", logs / f"{tag}-go"
         go.unlink(missing_ok=True)
         procs.append(
-            net.start("learner", [bench, "serve", broker_at, str(nbytes), str(go)], learner_log)
+            net.start(
+                "learner",
+                [bench, "serve", broker_at, str(nbytes), str(chunk_bytes), str(go)],
+                learner_log,
+            )
         )
         fetch_logs = [logs / f"{tag}-f{i}.log" for i in range(n)]
         procs += [
@@ -266,13 +272,14 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("serve", "fetch"):
         sys.path.insert(0, str(ROOT))  # run by path inside a namespace: the repository's packages
         if sys.argv[1] == "serve":
-            serve(sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]))
+            serve(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
         else:
             fetcher(sys.argv[2], sys.argv[3])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 MB to 1 and 4 actors")
     parser.add_argument("--rate", default="100mbit", help="every cable's rate, both ways (tc)")
+    parser.add_argument("--chunk-kib", type=int, default=CHUNK_KIB, help="chunk size in KiB")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -287,10 +294,11 @@ def main() -> None:
         "benchmark": "weights",
         "command": "python bench/weights.py"
         + (" --quick" if args.quick else "")
-        + ("" if args.rate == "100mbit" else f" --rate {args.rate}"),
+        + ("" if args.rate == "100mbit" else f" --rate {args.rate}")
+        + ("" if args.chunk_kib == CHUNK_KIB else f" --chunk-kib {args.chunk_kib}"),
         "commit": sh("git", "-C", str(ROOT), "rev-parse", "HEAD").strip(),
         "rate": args.rate,
-        "chunk_bytes": CHUNK_BYTES,
+        "chunk_bytes": args.chunk_kib << 10,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "notes": [
             "Every host is a network namespace with one veth cable to a bridge, limited by tc tbf "
@@ -309,7 +317,9 @@ def main() -> None:
                 for n in counts:
                     if design == "star" and nbytes > 64 * MB and n > 4:
                         continue  # N transfers through one link: minutes; the trend is clear
-                    report["runs"].append(run(net, logs, design, nbytes, n, rate_bps))
+                    report["runs"].append(
+                        run(net, logs, design, nbytes, n, rate_bps, args.chunk_kib << 10)
+                    )
     finally:
         net.remove()
     for row in report["runs"]:
