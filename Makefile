@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: install demo smollm2 test test-slow test-gpu lint bench clean
+.PHONY: install demo smollm2 test test-unit test-slow test-gpu lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,6 +31,10 @@ smollm2: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow and not gpu" -q
 
+# The in-process tests only (no role, launcher or script started): a minute or two.
+test-unit: $(STAMP)
+	$(PY) -m pytest -m "not slow and not gpu and not system" -q
+
 test-slow: $(STAMP)
 	$(PY) -m pytest -m "slow and not gpu" -q
 
@@ -41,11 +45,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Reports go to runs/bench/; `make bench BENCH_OUT=docs/results` updates the committed record.
+BENCH_OUT ?= runs/bench
 bench: $(STAMP)
-	$(PY) bench/broker.py
-	$(PY) bench/learner.py
-	$(PY) bench/engine.py
-	$(PY) bench/rollout.py
+	$(PY) -m bench.broker --out $(BENCH_OUT)
+	$(PY) -m bench.learner --out $(BENCH_OUT)/learner.json
+	$(PY) -m bench.engine --out $(BENCH_OUT)/engine.json
+	$(PY) -m bench.rollout --out $(BENCH_OUT)/rollout.json
 
 clean:
 	rm -rf runs .pytest_cache

@@ -2,49 +2,37 @@
 
 * Trajectories: actor process -> broker process -> learner process, against raw PUSH/PULL between
   two processes carrying the same frames (a segment's arrays of 4 KB, 256 KB and 4 MB).
-* (Weights no longer pass through the broker: bench/weights.py measures their distribution.)
+* (Weights no longer pass through the broker: bench.weights measures their distribution.)
 * 256 simulated actors connected at once (threads of one process, one DEALER each): broker RSS,
   throughput against 4 actors doing the same total work, nothing lost.
 
-Writes docs/results/broker.json and broker.png (broker_quick.* with --quick).
+Writes broker.json and broker.png (broker_quick.* with --quick) to runs/bench/ or --out.
 
-    python bench/broker.py [--quick] [--out docs/results]
+    python -m bench.broker [--quick] [--out docs/results]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import multiprocessing
+import signal
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
-# Run as a script (make bench), sys.path[0] is bench/, where this file would shadow the broker
-# package and tests/ is out of reach: the repository root takes its place.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import numpy as np
+import psutil
+import zmq
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import multiprocessing  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import signal  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-import zmq  # noqa: E402
-
-from common.protocol import encode  # noqa: E402
-from common.transport import send  # noqa: E402
-from tests.broker_peers import (  # noqa: E402
-    BYTES_PER_TOKEN,
-    BrokerProcess,
-    Peer,
-    ScriptedActor,
-    ScriptedLearner,
-    make_segment,
-)
+from bench.record import SCRATCH, provenance, write_report
+from common.protocol import encode
+from common.transport import send
+from testkit.peers import BYTES_PER_TOKEN, BrokerProcess, Peer, ScriptedActor, ScriptedLearner
+from testkit.segments import make_segment, turns
 
 MP = multiprocessing.get_context("spawn")
 LOCAL = "tcp://127.0.0.1"
@@ -62,13 +50,13 @@ def traj_actor(address: str, count: int, num_tokens: int, ready: Any, go: Any, o
     while actor.sync_weights() < 0:
         time.sleep(0.05)
     seg = make_segment(
+        turns(num_tokens),
         permit="-",
         actor_id=actor.id,
         episode_id="-",
         index=0,
         last=True,
         version=actor.version,
-        num_tokens=num_tokens,
     )
     arrays, built_for = seg.arrays(), actor.version
     ready.set()
@@ -120,13 +108,13 @@ def raw_pull(count: int, ports: Any, out: Any) -> None:
 def raw_push(port: int, count: int, num_tokens: int, ready: Any, go: Any, out: Any) -> None:
     """The same frames the actor sends (a TRAJ message), straight to the consumer."""
     seg = make_segment(
+        turns(num_tokens),
         permit="-",
         actor_id="raw",
         episode_id="-",
         index=0,
         last=True,
         version=0,
-        num_tokens=num_tokens,
     )
     frames = encode("TRAJ", seg.header(), seg.arrays())
     sock = zmq.Context.instance().socket(zmq.PUSH)
@@ -383,9 +371,9 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="fewer segments, only the 256 MB weight set (about a minute)",
+        help="fewer segments (about a minute)",
     )
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--out", type=Path, default=SCRATCH, help="the report's directory")
     parser.add_argument(
         "--only",
         choices=("trajectories",),
@@ -404,15 +392,7 @@ def main() -> None:
     repeats = 1 if q else 2
     report: dict[str, Any] = {
         "benchmark": "broker",
-        "command": f"python bench/broker.py{' --quick' if q else ''}",
         "quick": q,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "memory_bytes": psutil.virtual_memory().total,
-            "python": platform.python_version(),
-            "pyzmq": zmq.__version__,
-            "libzmq": zmq.zmq_version(),
-        },
         "notes": [
             "Every process shares one machine: the broker, its clients and the baselines compete for the same cores.",
             "Trajectory relay = a third process that PULLs each message and PUSHes the same frames on "
@@ -427,16 +407,15 @@ def main() -> None:
         ],
     }
     stem = "broker_quick" if q else "broker"
+    versions = {"pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}
     path = args.out / f"{stem}.json"
     if args.only == "trajectories":  # re-measure one part; the file keeps the others
         with tempfile.TemporaryDirectory() as tmp_dir:
             rows = [trajectories(Path(tmp_dir), p, n, repeats) for p, n in counts.items()]
         report = json.loads(path.read_text())
         report["trajectories"] = rows
-        report.setdefault("commands", {})["trajectories"] = (
-            f"python bench/broker.py{' --quick' if q else ''} --only trajectories"
-        )
-        path.write_text(json.dumps(report, indent=2) + "\n")
+        report.setdefault("updates", {})["trajectories"] = provenance(**versions)
+        write_report(path, report, **versions)
         plot(report, path.with_suffix(".png"))
         print(f"updated the trajectories of {path} and .png")
         return
@@ -449,8 +428,7 @@ def main() -> None:
     base, crowd = report["many_actors"]
     report["many_actors_ratio_256_over_4"] = crowd["segments_per_s"] / base["segments_per_s"]
     print(f"256 actors vs 4: throughput ratio {report['many_actors_ratio_256_over_4']:.2f}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(path, report, **versions)
     plot(report, path.with_suffix(".png"))
     print(f"wrote {path} and .png")
 

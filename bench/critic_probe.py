@@ -1,13 +1,13 @@
 """The first steps of one arm of the critic experiment: does its critic reach >= 0.8 of V^π's
 held-out explained variance before step 30?
 
-The full experiment (``bench/experiments.py critic``) runs every arm for 120 steps (~16 min a
+The full experiment (``python -m bench.experiments critic``) runs every arm for 120 steps (~16 min a
 seed); the target concerns steps 10-30. This runs one arm of ``experiments.CRITICS``, with
 ``--set`` overrides on top, for ``--steps`` steps per seed, with the same config and the same
 held-out scoring of its checkpoints (``asyncppo eval --checkpoint``, 96 instances x 16 plays),
 ~5 min a seed on 2 cores:
 
-    python bench/critic_probe.py separate-g1-init --seeds 1 \
+    python -m bench.critic_probe separate-g1-init --seeds 1 \
         --set learner.critic_lam=0.95 --out docs/results/critic_probe_lam0.95.json
 
 A probe's clip schedule runs over its own steps (faster than in a 120-step run), so its figures
@@ -19,15 +19,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import experiments as X  # noqa: E402
-
-from common.config import parse_override  # noqa: E402
+from bench import experiments as X
+from bench.record import SCRATCH, write_report
+from common.config import parse_override
 
 
 def main() -> None:
@@ -37,9 +33,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--set", type=parse_override, action="append", default=[], dest="sets")
-    ap.add_argument(
-        "--out", type=Path, default=ROOT / "docs/results/critic_probe.json", help="the report"
-    )
+    ap.add_argument("--out", type=Path, default=SCRATCH / "critic_probe.json", help="the report")
     args = ap.parse_args()
     label, extra = arms[args.arm]
     extra = {**extra, **dict(args.sets)}
@@ -67,16 +61,13 @@ def main() -> None:
             ("of_monte_carlo_estimate", "fraction"),
         )
     }
-    sets = "".join(f" --set {k}={json.dumps(v)}" for k, v in args.sets)
     report = {
-        "command": f"python bench/critic_probe.py {args.arm} --seeds {args.seeds} "
-        f"--steps {args.steps}{sets}",
         "arm": label,
         "overrides": extra,
         "critic_fraction": fractions,
         "curves": per_seed,
     }
-    args.out.write_text(json.dumps(report, indent=1, default=float) + "\n")
+    write_report(args.out, report)
     print(json.dumps(fractions, indent=1, default=float))
 
 

@@ -2,17 +2,15 @@
 
 Both sides sample every token with temperature 1, no top-k/top-p and no early stop, and both
 end with per-token log-probs (HF's from `output_scores`), so they do the same work. Writes
-docs/results/engine.json.
+engine.json to runs/bench/ or --out.
 
-    python bench/engine.py [--quick] [--out docs/results/engine.json]
+    python -m bench.engine [--quick] [--out docs/results/engine.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +18,7 @@ from pathlib import Path
 import torch
 
 from actors.engines import SamplingParams, TorchEngine
+from bench.record import SCRATCH, write_report
 from common.model import build_tiny_model
 
 MODELS = {
@@ -83,7 +82,7 @@ def main() -> None:
         action="store_true",
         help="16 new tokens, one timed round (default: 64 tokens, best of 5)",
     )
-    parser.add_argument("--out", type=Path, default=Path("docs/results/engine.json"))
+    parser.add_argument("--out", type=Path, default=SCRATCH / "engine.json")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -114,14 +113,8 @@ def main() -> None:
                     f"  HF generate {row['hf_generate_tokens_per_s']:8.1f} tok/s"
                     f"  ratio {row['speedup']:.2f}x"
                 )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "quick": args.quick,
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "machine": platform.machine(),
-    }
-    args.out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+    meta = {"quick": args.quick, "threads": args.threads}
+    write_report(args.out, {"meta": meta, "results": rows})
     print(f"wrote {args.out}")
 
 

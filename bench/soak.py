@@ -3,8 +3,8 @@
 Leaks and slowdowns that a minute-long test cannot see show up as a resident set that keeps
 growing, or a trained-tokens rate that sinks, over an hour.
 
-    python bench/soak.py                                    # 60 minutes of configs/demo.yaml
-    python bench/soak.py --minutes 2 --out /tmp/soak.json   # a smoke version (tests/test_soak.py)
+    python -m bench.soak                                    # 60 minutes of configs/demo.yaml
+    python -m bench.soak --minutes 2 --out /tmp/soak.json   # a smoke version (tests/test_soak.py)
 
 Every ``--interval`` seconds it records, per role (broker, learner, each actor, named as the
 launcher names them): the resident set size of the role's process tree (psutil, the role and its
@@ -12,7 +12,7 @@ children); and for the whole system: learner steps, tokens trained (learner_step
 segments accepted by the broker and policy version (broker STATS). Rates are differences of two
 samples over their time apart. The summary compares each role's RSS at the first sample after
 ``--warmup-fraction`` of the run with the last one, and averages rates over the same span.
-Writes JSON (``--out``) and a PNG (``--png``; RSS and throughput against time).
+Writes JSON (``--out``) and a PNG beside it (RSS and throughput against time).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 
 import psutil
 
+from bench.record import SCRATCH, write_report
 from common.config import load_config
 from common.lifecycle import spawn
 from common.transport import Client, Endpoint, TransportError
@@ -222,7 +222,6 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         "overrides": args.overrides,
         "minutes": args.minutes,
         "interval_s": args.interval,
-        "machine": {"cpus": psutil.cpu_count(), "platform": platform.platform()},
         "final_stats": {k: v for k, v in stats.items() if not isinstance(v, dict)},
         "summary": summarize(samples, args.warmup_fraction),
         "samples": samples,
@@ -248,17 +247,17 @@ def main(argv: list[str] | None = None) -> None:
         metavar="KEY=VALUE",
         help="config override passed to `asyncppo up` (repeatable)",
     )
-    p.add_argument("--out", type=Path, default=ROOT / "docs/results/soak.json")
-    p.add_argument("--png", type=Path, default=ROOT / "docs/results/soak.png")
+    p.add_argument(
+        "--out", type=Path, default=SCRATCH / "soak.json", help="the report; its .png beside it"
+    )
     args = p.parse_args(argv)
     if args.minutes <= 0 or args.interval <= 0 or not 0 <= args.warmup_fraction < 1:
         p.error("--minutes and --interval must be > 0, --warmup-fraction in [0, 1)")
     report = soak(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    plot(report, args.png)
+    write_report(args.out, report)
+    plot(report, args.out.with_suffix(".png"))
     print(json.dumps(report["summary"], indent=1))
-    print(f"[soak] wrote {args.out} and {args.png}")
+    print(f"[soak] wrote {args.out} and its .png")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ first does), bytes through the busiest cable, the broker's resident memory; and 
 N = 1. Needs root (``ip netns``, ``tc``). Writes docs/results/weights.json and weights.png
 (weights_quick.* with --quick).
 
-    python bench/weights.py [--quick] [--rate 100mbit] [--out docs/results]
+    python -m bench.weights [--quick] [--rate 100mbit] [--out docs/results]
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -33,6 +32,8 @@ from typing import Any
 
 import psutil
 import torch
+
+from bench.record import SCRATCH, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "aw"  # namespace names: aw-sw (the switch), aw-broker, aw-learner, aw-f1 ...
@@ -180,7 +181,6 @@ def run(
     net: Network, logs: Path, design: str, nbytes: int, n: int, rate_bps: float, chunk_bytes: int
 ) -> dict:
     """One version of ``nbytes`` in chunks of ``chunk_bytes`` to ``n`` fetchers under ``design``."""
-    bench = str(Path(__file__).resolve())
     broker_at = f"tcp://{address(0)}:{PORT}"
     tag = f"{design}-{nbytes // MB}MB-{n}"
     procs = [
@@ -197,13 +197,13 @@ def run(
         procs.append(
             net.start(
                 "learner",
-                [bench, "serve", broker_at, str(nbytes), str(chunk_bytes), str(go)],
+                ["-m", "bench.weights", "serve", broker_at, str(nbytes), str(chunk_bytes), str(go)],
                 learner_log,
             )
         )
         fetch_logs = [logs / f"{tag}-f{i}.log" for i in range(n)]
         procs += [
-            net.start(f"f{i}", [bench, "fetch", broker_at, f"f{i}"], fetch_logs[i])
+            net.start(f"f{i}", ["-m", "bench.weights", "fetch", broker_at, f"f{i}"], fetch_logs[i])
             for i in range(n)
         ]
         last_json(learner_log, "ready", 120)
@@ -270,7 +270,6 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("serve", "fetch"):
-        sys.path.insert(0, str(ROOT))  # run by path inside a namespace: the repository's packages
         if sys.argv[1] == "serve":
             serve(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
         else:
@@ -280,10 +279,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="16 MB to 1 and 4 actors")
     parser.add_argument("--rate", default="100mbit", help="every cable's rate, both ways (tc)")
     parser.add_argument("--chunk-kib", type=int, default=CHUNK_KIB, help="chunk size in KiB")
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--out", type=Path, default=SCRATCH, help="the report's directory")
     args = parser.parse_args()
     if os.geteuid() != 0:
-        sys.exit("bench/weights.py needs root: it builds network namespaces and tc rate limits")
+        sys.exit("bench.weights needs root: it builds network namespaces and tc rate limits")
     rate_bps = float(args.rate.removesuffix("mbit")) * 1e6
     sizes = [16 * MB] if args.quick else [64 * MB, 256 * MB]
     counts = (1, 4) if args.quick else (1, 2, 4, 8, 16)
@@ -292,14 +291,8 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "benchmark": "weights",
-        "command": "python bench/weights.py"
-        + (" --quick" if args.quick else "")
-        + ("" if args.rate == "100mbit" else f" --rate {args.rate}")
-        + ("" if args.chunk_kib == CHUNK_KIB else f" --chunk-kib {args.chunk_kib}"),
-        "commit": sh("git", "-C", str(ROOT), "rev-parse", "HEAD").strip(),
         "rate": args.rate,
         "chunk_bytes": args.chunk_kib << 10,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "notes": [
             "Every host is a network namespace with one veth cable to a bridge, limited by tc tbf "
             "to the rate in both directions; all processes share this machine's cores.",
@@ -329,9 +322,8 @@ def main() -> None:
             if (r["design"], r["bytes"], r["actors"]) == (row["design"], row["bytes"], 1)
         )
         row["ratio_to_one_actor"] = row["seconds_all"] / one["seconds_all"]  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = "weights_quick" if args.quick else "weights"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out / f"{stem}.json", report)
     plot(report, args.out / f"{stem}.png")
     print(f"wrote {args.out / stem}.json and .png")
 

@@ -1,8 +1,11 @@
 """Typed configuration: one YAML file for every role, plus ``--set a.b=value`` overrides.
 
-Every field carries its help text (``param(default, "help")``), so the reference in the README and
+Every field carries its help text (``param(default, "help")``), so the reference in docs/configuration.md and
 ``asyncppo config --reference`` come from the same place as the defaults. Loading rejects unknown
 keys and badly typed values with an error that names the key, the value and where it came from.
+"Off" is spelled one way per kind: 0 for a number (a rate, a count, a period), null for a path or
+an address. A choice is declared once, as the field's ``Literal``; the registries that implement
+the choices (``learner/algorithms.py``) are checked against it.
 """
 
 from __future__ import annotations
@@ -139,7 +142,7 @@ class ActorConfig:
     mode: Literal["env", "agent"] = param(
         "env",
         "env: play actor.env episodes. agent: serve an OpenAI-compatible API whose sessions are "
-        "the episodes (README: Bring your own agent).",
+        "the episodes (docs/agents.md).",
     )
     agent_host: str = param("127.0.0.1", "Agent mode: address the API binds.")
     agent_port: int = param(
@@ -161,8 +164,9 @@ class ActorConfig:
     )
     env: str = param(
         "digits",
-        "Environment: a built-in name (actors.envs.ENV_NAMES) or an import path "
-        "'package.module:factory' to your own (README: Bring your own environment).",
+        "Environment: a built-in name (actors.envs.ENV_NAMES: digits, the default, is a smoke "
+        "task; chain and maze are the long-horizon testbeds) or an import path "
+        "'package.module:factory' to your own (docs/agents.md).",
     )
     env_kwargs: dict = param({}, "Keyword arguments for the environment factory.")
     max_inflight_episodes: int = param(
@@ -265,8 +269,12 @@ class LearnerConfig:
         1, "Publish a new policy version every this many learner steps.", minimum=1
     )
     total_steps: int = param(20, "Learner steps to train; 0 means run until stopped.")
-    lr: float = param(1e-3, "Policy learning rate (AdamW).")
-    critic_lr: float = param(2e-3, "Critic learning rate (AdamW).")
+    lr: float = param(
+        1e-3,
+        "Policy learning rate (AdamW). The default suits the 0.1M-parameter tiny model only; a "
+        "real model wants about 1e-6 to 2e-5 (docs/models.md).",
+    )
+    critic_lr: float = param(2e-3, "Critic learning rate (AdamW); the same caveat as lr.")
     weight_decay: float = param(0.0, "AdamW weight decay.")
     ppo_epochs: int = param(1, "Passes over each batch.", minimum=1)
     advantage_norm: Literal["none", "centre", "whiten"] = param(
@@ -287,9 +295,16 @@ class LearnerConfig:
     critic_lam: float = param(
         1.0, "GAE lambda of the critic's returns (1 = Monte-Carlo style targets)."
     )
-    adaptive_lambda_alpha: float | None = param(
-        None,
-        "If set, the policy lambda = 1 - 1/(alpha*L) per segment of L action tokens (length-adaptive).",
+    adaptive_lambda_alpha: float = param(
+        0.0,
+        "If > 0, the policy lambda = 1 - 1/(alpha*L) per segment of L action tokens "
+        "(length-adaptive); 0 is off.",
+        minimum=0,
+    )
+    gae_unit: Literal["token", "turn"] = param(
+        "token",
+        "What one step of GAE is: token (every action token, the default) or turn (a turn is one "
+        "action: its tokens share the advantage and return of the state the turn starts in).",
     )
     max_segment_steps: int = param(
         50,
@@ -304,6 +319,13 @@ class LearnerConfig:
     )
     correction: Literal["icepop", "tis", "none"] = param(
         "icepop", "Behavior-policy correction: icepop (mask), tis (truncate) or none."
+    )
+    proximal: Literal["recompute", "behavior"] = param(
+        "recompute",
+        "The trust region's anchor pi_old in the clipped ratio pi_theta/pi_old: recompute "
+        "(decoupled PPO: pi_prox, the learner's log-probs just before the step) or behavior (the "
+        "actors' mu: naive PPO, the baseline asynchronous training is measured against; needs "
+        "correction none).",
     )
     icepop_low: float = param(0.5, "IcePop: keep tokens whose pi_prox/mu is at least this.")
     icepop_high: float = param(5.0, "IcePop: keep tokens whose pi_prox/mu is at most this.")
@@ -476,10 +498,10 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
         if value is None and type(None) in options:
             return None
         annotation = next(a for a in options if a is not type(None))
-    if annotation is float and not isinstance(value, bool):
+    if annotation is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         # YAML 1.1 reads "1e-3" (no dot) as a string; where a float is expected, users mean a number.
         try:
-            return float(value) if isinstance(value, (int, str)) else value
+            return float(value)
         except ValueError:
             pass
     expected = typing.get_origin(annotation) or annotation
@@ -537,7 +559,8 @@ def _check_actor(a: ActorConfig) -> None:
 
 
 def _check_learner(lc: LearnerConfig) -> None:
-    """IcePop's band must contain 1 (a token with no mismatch is kept); an EV-gated critic
+    """IcePop's band must contain 1 (a token with no mismatch is kept); naive PPO has no behavior
+    weight to correct with; an EV-gated critic
     warm-up needs a critic and a longest wait; a critic to start from or to replay batches to needs
     a separate critic; LoRA needs modules."""
     if not 0 < lc.icepop_low <= 1 <= lc.icepop_high:
@@ -550,6 +573,11 @@ def _check_learner(lc: LearnerConfig) -> None:
             "config key 'learner.critic_warmup_ev' needs learner.algorithm=ppo (a critic) and "
             "learner.critic_warmup_steps >= 1 (the longest the policy waits), got "
             f"algorithm={lc.algorithm!r}, critic_warmup_steps={lc.critic_warmup_steps}"
+        )
+    if lc.proximal == "behavior" and lc.correction != "none":
+        raise ConfigError(
+            "config key 'learner.proximal' behavior (naive PPO: mu is pi_old, so w = pi_old/mu = 1) "
+            f"needs learner.correction=none, got correction={lc.correction!r}"
         )
     own_critic = {"critic_init": lc.critic_init is not None, "critic_replay": lc.critic_replay > 1}
     for key in (k for k, used in own_critic.items() if used):
@@ -636,7 +664,7 @@ def to_dict(cfg: Config) -> dict:
 
 
 def reference_markdown() -> str:
-    """The configuration reference (README section), generated from the dataclasses."""
+    """The configuration reference (docs/configuration.md), generated from the dataclasses."""
     lines = ["| key | default | meaning |", "| --- | --- | --- |"]
 
     def rows(group: Any, prefix: str) -> None:

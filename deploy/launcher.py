@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from common.config import Config
 from common.lifecycle import spawn
@@ -33,6 +36,7 @@ class Launcher:
     def __init__(self, cfg: Config, args: argparse.Namespace):
         self.cfg, self.args = cfg, args
         self.run_dir = Path(cfg.run.out_dir)
+        self.earlier_run = set_aside_earlier_run(self.run_dir)
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.base_cmd = [sys.executable, "-m", "deploy.cli"]
@@ -47,6 +51,7 @@ class Launcher:
         (self.run_dir / "actors.target").write_text(f"{self.target}\n")
         self.stopping = False
         self.ended_by: str | None = None  # why the watch ended early, when it did
+        self.cpu: dict[str, float] = {}  # each role process's CPU seconds, at its last sample
 
     def _spawn(self, role: str, name: str, extra: list[str]) -> subprocess.Popen:
         port = self._port(role)
@@ -207,11 +212,34 @@ class Launcher:
             if time.monotonic() - last_print > 5:
                 self.progress(t0)
                 last_print = time.monotonic()
+            self.sample_cpu()
             time.sleep(0.2)
         self.progress(t0)
         if self.learner.poll() not in (0, None):
             return f"the learner exited with status {self.learner.returncode} (logs/learner.log)"
         return None
+
+    def sample_cpu(self) -> None:
+        """Each role's CPU seconds so far (user + system, its own and its children's): the roles'
+        cost apart from how they share this machine's cores. A role that exits keeps its last
+        sample, at most one watch tick old."""
+        roles = {"broker": self.broker, "learner": self.learner, **self.actors}
+        if self.evaluator is not None:
+            roles["eval"] = self.evaluator
+        for name, proc in roles.items():
+            try:
+                t = psutil.Process(proc.pid).cpu_times()
+            except psutil.Error:  # exited between the poll and the sample
+                continue
+            self.cpu[name] = t.user + t.system + t.children_user + t.children_system
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds per role kind: broker, learner, eval and every actor that ran, summed."""
+        kinds: dict[str, float] = {}
+        for name, seconds in self.cpu.items():
+            kind = "actors" if name.startswith("actor-") else name
+            kinds[kind] = round(kinds.get(kind, 0.0) + seconds, 2)
+        return kinds
 
     def outcome(self, failure: str | None) -> tuple[int, str]:
         steps = self.steps()
@@ -221,6 +249,7 @@ class Launcher:
 
     def shutdown(self) -> dict[str, Any]:
         learner_completed = self.learner.poll() == 0  # exited on its own: total_steps done
+        self.sample_cpu()
         self.stop_learner()
         stats = self.broker_stats()
         if self.evaluator is not None:  # the final version's sources are the actors now
@@ -255,6 +284,7 @@ class Launcher:
             "rejected_invalid": stats.get("rejected_invalid", 0),
             "icepop_kept_fraction_mean": mean([s["icepop_kept_fraction"] for s in steps]),
             "wall_seconds": round(wall, 2),
+            "cpu_seconds": self.cpu_seconds(),
             # Held-out success of the first and last evaluated versions (eval.every_versions).
             "eval": [
                 {k: e[k] for k in ("version", "success", "success_ci95", "episodes")}
@@ -315,6 +345,19 @@ def stall(host: str, port: int) -> str | None:
         return None
 
 
+def set_aside_earlier_run(run_dir: Path) -> Path | None:
+    """``up`` never continues a run (its learner starts fresh), so an earlier run's logs, step
+    log and evaluations would mix with the new run's: move them to ``<run dir>.prev``, replacing
+    the one before, and return where they went (None when there was nothing to move)."""
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return None
+    earlier = run_dir.with_name(run_dir.name + ".prev")
+    if earlier.exists():
+        shutil.rmtree(earlier)
+    run_dir.rename(earlier)
+    return earlier
+
+
 def stop(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:
     """SIGTERM, wait, then SIGKILL: a role that hangs on exit never hangs the launcher."""
     if proc.poll() is None:
@@ -343,6 +386,12 @@ def launch(cfg: Config, args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     t0 = time.monotonic()
     print(f"[up] run dir {launcher.run_dir} (logs in {launcher.logs})", flush=True)
+    if launcher.earlier_run:
+        print(
+            f"[up] {launcher.run_dir} held an earlier run: moved to {launcher.earlier_run} "
+            "(this run starts clean)",
+            flush=True,
+        )
     launcher.start()
     try:
         failure = launcher.watch()

@@ -159,6 +159,30 @@ def grpo_advantages(
     return torch.where(all_equal, 0.0, advantages)
 
 
+def per_turn(mask: torch.Tensor, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A segment seen turn by turn: the mask keeps each turn's first action token only and the
+    turn's rewards sit there, so GAE's recursion steps once per turn, from the value of the
+    state the turn starts in (turn-level credit: AReaL's ``gae_timestep_unit=turn``, Turn-PPO).
+    """
+    starts = turn_starts(mask)
+    turn_mask = torch.zeros_like(mask, dtype=torch.bool)
+    turn_mask[starts] = True
+    turn_rewards = torch.zeros_like(rewards)
+    for lo, hi in zip(starts, [*starts[1:], len(mask)], strict=True):
+        turn_rewards[lo] = rewards[lo:hi].sum()
+    return turn_mask, turn_rewards
+
+
+def every_token_of_its_turn(mask: torch.Tensor, at_starts: torch.Tensor) -> torch.Tensor:
+    """``at_starts`` (a value on each turn's first action token) on every action token of the
+    turn, 0 elsewhere."""
+    starts = torch.tensor(turn_starts(mask), dtype=torch.long)
+    if not len(starts):
+        return torch.zeros_like(at_starts)
+    turn = torch.searchsorted(starts, torch.arange(len(mask)), right=True) - 1
+    return torch.where(mask & (turn >= 0), at_starts[starts[turn.clamp(min=0)]], 0.0)
+
+
 def segment_targets(
     mask: torch.Tensor,
     rewards: torch.Tensor,
@@ -172,14 +196,25 @@ def segment_targets(
     critic_lam: float,
     adaptive_alpha: float | None,
     max_segment_steps: int,
+    unit: str = "token",
 ) -> Targets:
     """GAE for one segment, cut every ``max_segment_steps`` turns (each piece bootstrapped at its cut).
 
     ``mask``, ``rewards`` and ``values`` (V[t]) are the segment's tokens (no padding);
     ``terminated`` whether the episode ended in it; ``end_value`` the critic's value after its last
     token; ``next_value`` V at the first action of the episode's next segment, if the batch has it.
+    ``unit`` ``turn`` makes a turn one step of the recursion (``per_turn``); every token of a turn
+    then has the turn's advantage and return.
     """
     mask = mask.bool()
+    if unit == "turn":
+        turn_mask, turn_rewards = per_turn(mask, rewards)
+        t = segment_targets(
+            turn_mask, turn_rewards, terminated, values, end_value, next_value, gamma=gamma,
+            lam=lam, critic_lam=critic_lam, adaptive_alpha=adaptive_alpha,
+            max_segment_steps=max_segment_steps,
+        )  # fmt: skip
+        return Targets(*(every_token_of_its_turn(mask, x) for x in t))
     if adaptive_alpha is not None:
         lam = adaptive_lambda(int(mask.sum()), adaptive_alpha)
     starts = turn_starts(mask)

@@ -5,6 +5,8 @@ looks ``learner.algorithm`` and ``learner.correction`` up here and never branche
   bootstrapped across compaction cuts from the critic's value at the next segment's first action
   (docs/architecture.md, Learner step); ``grpo`` is the group-relative baseline over whole
   episodes, the same advantage on every action token, and no critic targets.
+* **Anchors** are π_old of the clipped ratio π_θ/π_old: ``recompute`` is decoupled PPO's π_prox,
+  ``behavior`` the actors' μ (naive PPO: staleness then moves the trust region itself).
 * **Corrections** weight each action token by the behavior ratio w = π_prox/μ of decoupled PPO:
   ``icepop`` masks tokens whose w leaves [low, high], ``tis`` truncates w at a cap, ``none`` keeps 1.
 
@@ -63,8 +65,9 @@ def gae_targets(
             gamma=lc.gamma,
             lam=lc.lam,
             critic_lam=lc.critic_lam,
-            adaptive_alpha=lc.adaptive_lambda_alpha,
+            adaptive_alpha=lc.adaptive_lambda_alpha or None,
             max_segment_steps=lc.max_segment_steps,
+            unit=lc.gae_unit,
         )
         advantages[i, :n], returns[i, :n] = t.advantages, t.returns
     return Targets(advantages, returns)
@@ -105,6 +108,14 @@ ADVANTAGE_NORMS: dict[str, AdvantageNorm] = {
     "none": lambda adv, mean, std: adv,
     "centre": lambda adv, mean, std: adv - mean,
     "whiten": lambda adv, mean, std: (adv - mean) / (std + 1e-8),
+}
+
+# π_old of the clipped ratio ρ = π_θ/π_old (losses.ppo_policy_loss). Decoupled PPO (Hilton et al.
+# 2022) recomputes π_prox just before the step and corrects the stale μ with w = π_prox/μ; naive
+# PPO clips against μ itself, AReaL's baseline for asynchronous training.
+ANCHORS: dict[str, Callable[[Batch, Scores], torch.Tensor]] = {
+    "recompute": lambda batch, scores: scores.prox,
+    "behavior": lambda batch, scores: batch.behavior_logprobs,
 }
 
 Correction = Callable[

@@ -22,7 +22,14 @@ import torch
 
 from common.config import LearnerConfig
 from common.trajectory import Segment
-from learner.algorithms import ADVANTAGE_NORMS, ESTIMATORS, Scores, Targets, behavior_weights
+from learner.algorithms import (
+    ADVANTAGE_NORMS,
+    ANCHORS,
+    ESTIMATORS,
+    Scores,
+    Targets,
+    behavior_weights,
+)
 from learner.batch import Batch
 from learner.losses import (
     clip_schedule,
@@ -92,6 +99,7 @@ class Step:
     scores: Scores
     targets: Targets
     weights: torch.Tensor  # [B, T] behavior weights on action tokens, 0 elsewhere
+    anchor: torch.Tensor  # [B, T] log π_old of the clipped ratio (learner.proximal)
     denominator: float  # action tokens of the global batch: the loss's token-mean denominator
     clip: float
     micro_batches: list[list[int]]  # row indices of each of this rank's micro-batches
@@ -138,6 +146,7 @@ class TrainStep:
             scores,
             targets,
             weights,
+            ANCHORS[self.lc.proximal](batch, scores),
             denominator=max(n_tokens, 1.0),
             clip=clip_epsilon(index, self.lc),
             micro_batches=mbs,
@@ -329,7 +338,7 @@ class TrainStep:
         mask = take(b.action_mask)
         loss, stats = ppo_policy_loss(
             lp,
-            take(step.scores.prox),
+            take(step.anchor),
             take(step.targets.advantages),
             take(step.weights),
             mask,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 import torch.distributed as dist
 
@@ -121,3 +123,44 @@ def _destroy_process_group():
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _logging_back_to_defaults():
+    """A test that configures a role's logging binds it to that test's captured stderr, which
+    pytest closes afterwards: every later log line would fail. Each test starts from defaults."""
+    yield
+    structlog.reset_defaults()
+    structlog.contextvars.clear_contextvars()
+
+
+# Programs that libraries run to probe the machine (DeepSpeed's numactl and its compiler checks,
+# bench/record.py's git): not processes a test starts.
+LIBRARY_PROBES = {"numactl", "gcc", "cc", "git", "lscpu", "ldconfig", "uname"}
+
+
+@pytest.fixture(autouse=True)
+def _a_test_that_starts_processes_is_marked_system(request, monkeypatch):
+    """`-m "not system"` must be the in-process suite: a test (or a fixture of its own) that
+    starts a process without the `system` marker fails and says so. Processes started by a
+    module- or session-scoped fixture are not seen here; such modules carry the marker."""
+    if request.node.get_closest_marker("system") is not None:
+        yield
+        return
+    started: list[str] = []
+    popen_init, mp_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+    def popen(self, args, *a, **kw):
+        program = Path(args[0] if isinstance(args, list | tuple) else str(args).split()[0]).name
+        if program not in LIBRARY_PROBES:
+            started.append(str(args))
+        popen_init(self, args, *a, **kw)
+
+    def mp(self):
+        started.append(f"multiprocessing {self.name}")
+        mp_start(self)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", mp)
+    yield
+    assert not started, f"starts {started[:3]}: mark the test @pytest.mark.system"

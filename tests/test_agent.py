@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-from broker_peers import ScriptedLearner
 from conftest import ROOT, free_port, smoke_args
 from prometheus_client import REGISTRY
 from test_broker import start_broker, wait_until  # noqa: F401  (the fixture)
@@ -29,6 +28,9 @@ from common.config import load_config
 from common.lifecycle import spawn
 from common.model import load_causal_lm, load_tokenizer, state_dict_for_export
 from common.weights import pack_state_dict
+from testkit.peers import ScriptedLearner
+
+pytestmark = pytest.mark.system  # every test here starts real processes
 
 
 def post(url: str, body: dict) -> tuple[int, dict]:

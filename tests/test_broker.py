@@ -1,5 +1,5 @@
 """The broker as it runs in production: a real ``asyncppo broker`` process on a free port, real
-ZeroMQ peers (tests/broker_peers.py), real signals (kill -9, SIGTERM).
+ZeroMQ peers (testkit/peers.py), real signals (kill -9, SIGTERM).
 
 Covered: staleness admission asserted on per-token versions, too-stale segments dropped on arrival
 and in the queue, backpressure in bytes, permits of dead actors, an actor killed mid-send, the spool
@@ -23,7 +23,12 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-from broker_peers import (
+
+from common.config import SecurityConfig
+from common.protocol import PROTO, encode
+from common.transport import TransportError
+from common.weights import pack_state_dict
+from testkit.peers import (
     BYTES_PER_TOKEN,
     ROOT,
     BrokerProcess,
@@ -32,16 +37,9 @@ from broker_peers import (
     ScriptedLearner,
     fetch_chunks,
     hold_permits_until_killed,
-    make_segment,
-    segment_digest,
     stream_episodes_until_killed,
-    synthetic_weights,
 )
-
-from common.config import SecurityConfig
-from common.protocol import PROTO, encode
-from common.transport import TransportError
-from common.weights import pack_state_dict
+from testkit.segments import make_segment, segment_digest, synthetic_weights, turns
 
 FAST = {"broker.batch_wait_s": 0.5}  # parked GET_BATCHes answer WAIT quickly
 
@@ -99,6 +97,7 @@ def assert_whole_episodes(segments) -> dict[str, list]:
 
 # ------------------------------------------------------------------ 1. admission / staleness
 @pytest.mark.parametrize("max_staleness", [0, 1])
+@pytest.mark.system
 def test_staleness_bound_holds_on_every_trained_token(start_broker, max_staleness):
     batch_size, steps = 4, 6
     capacity = (max_staleness + 1) * batch_size  # publish_every = 1
@@ -184,6 +183,7 @@ def at_capacity(start_broker, permits_wait_s: float):
     return broker, learner, holder, waiter
 
 
+@pytest.mark.system
 def test_a_permit_request_waits_for_capacity_and_is_answered_the_moment_it_frees(start_broker):
     """Credit-based flow: no polling. A PERMITS_REQ that finds no capacity is parked and gets its
     PERMITS as soon as capacity frees (here: the holder leaves), or WAIT after permits_wait_s."""
@@ -214,6 +214,7 @@ def test_a_permit_request_waits_for_capacity_and_is_answered_the_moment_it_frees
     assert learner.stats()["permits_in_use"] == 2
 
 
+@pytest.mark.system
 def test_a_permit_request_with_wait_false_is_answered_at_once(start_broker):
     """An actor with episodes in flight asks for free slots with wait=false: without capacity it
     gets WAIT capacity on the spot (it has work meanwhile), not after permits_wait_s; a `wait`
@@ -232,6 +233,7 @@ def test_a_permit_request_with_wait_false_is_answered_at_once(start_broker):
     assert reply.kind == "PERMITS" and len(reply.header["permits"]) == 2
 
 
+@pytest.mark.system
 def test_a_busy_actor_tops_up_only_to_its_fair_share(start_broker):
     """wait=false grants at most ceil(capacity / registered actors) minus what the actor holds,
     so an actor with many free slots leaves room for the others; a plain request is not capped."""
@@ -250,6 +252,7 @@ def test_a_busy_actor_tops_up_only_to_its_fair_share(start_broker):
     assert len(other.permits(8)) == 4  # the rest is there for the other actor
 
 
+@pytest.mark.system
 def test_a_rejected_permit_request_changes_nothing(start_broker):
     """A malformed PERMITS_REQ neither records its version nor discards the actor's parked one."""
     broker, learner, holder, waiter = at_capacity(start_broker, 5.0)
@@ -264,6 +267,7 @@ def test_a_rejected_permit_request_changes_nothing(start_broker):
     assert reply.kind == "PERMITS" and len(reply.header["permits"]) == 2
 
 
+@pytest.mark.system
 def test_a_too_stale_segment_is_dropped_counted_and_never_handed_out(start_broker):
     """What still arrives too old is dropped on both paths, counted per segment in `dropped_stale`,
     and never trained on. On arrival: an actor holding a permit of version 0 sends after the
@@ -312,6 +316,7 @@ def test_a_too_stale_segment_is_dropped_counted_and_never_handed_out(start_broke
     assert stats["rejected_invalid"] == stats["rejected_unknown_permit"] == 1  # the resend
 
 
+@pytest.mark.system
 def test_a_full_byte_queue_pushes_back_until_the_learner_drains_it(start_broker, tmp_path):
     """Backpressure in bytes. A segment that would take the queued bytes past
     `broker.max_queue_bytes` gets the retryable `busy` ERROR and changes nothing, however often
@@ -335,13 +340,13 @@ def test_a_full_byte_queue_pushes_back_until_the_learner_drains_it(start_broker,
     first, second = wait_until_permits(actor, 2)
     kept = actor.play(first, segments=2)
     seg = make_segment(
+        turns(num_tokens),
         permit=second,
         actor_id=actor.id,
         episode_id="second",
         index=0,
         last=True,
         version=0,
-        num_tokens=num_tokens,
     )
     assert seg.nbytes == seg_bytes
 
@@ -381,6 +386,7 @@ def test_a_full_byte_queue_pushes_back_until_the_learner_drains_it(start_broker,
 
 
 # ---------------------------------------------------------------- 2. actors that die or go silent
+@pytest.mark.system
 def test_permits_of_dead_and_silent_actors_are_reclaimed(start_broker):
     timeout_s = 2.0  # the doomed actor heartbeats every timeout_s / 10: a wide margin on a busy CPU
     broker = start_broker({"broker.max_staleness": 0, "broker.heartbeat_timeout_s": timeout_s})
@@ -447,6 +453,7 @@ def test_permits_of_dead_and_silent_actors_are_reclaimed(start_broker):
     assert {seg.actor_id for seg in batch} == {"healthy"}
 
 
+@pytest.mark.system
 def test_an_actor_killed_mid_send_leaves_only_whole_episodes(start_broker):
     """kill -9 of an actor while a multi-MB segment is on the wire, three times, at random moments
     of sending an episode's second segment. ZeroMQ delivers a multipart message whole or not at
@@ -519,6 +526,7 @@ def test_an_actor_killed_mid_send_leaves_only_whole_episodes(start_broker):
 
 
 # ------------------------------------------------------------------------------- 3. the spool
+@pytest.mark.system
 def test_spool_survives_kill_9(start_broker, tmp_path):
     spool = tmp_path / "spool"
     broker = start_broker({"broker.spool_dir": str(spool)})
@@ -556,6 +564,7 @@ def test_spool_survives_kill_9(start_broker, tmp_path):
     assert not list((spool / "segments").iterdir())  # handed out, so no longer spooled
 
 
+@pytest.mark.system
 def test_spool_restores_episodes_in_segment_order_whatever_the_file_times(start_broker, tmp_path):
     """Coarse file timestamps must not reorder an episode: restore goes by permit and segment
     index. The episodes form one group, whose size survives the restart too."""
@@ -582,6 +591,7 @@ def test_spool_restores_episodes_in_segment_order_whatever_the_file_times(start_
     assert [seg.traj_id for seg in batch] == [seg.traj_id for seg in sent]
 
 
+@pytest.mark.system
 def test_a_failing_spool_write_is_not_acknowledged_and_survived(start_broker, tmp_path):
     """Disk full or gone: the segment gets a retryable ERROR instead of an ACK, so the actor resends
     it; nothing accepted is lost and the broker keeps serving. Tests run as root, which chmod does
@@ -617,6 +627,7 @@ def test_a_failing_spool_write_is_not_acknowledged_and_survived(start_broker, tm
     wait_until(lambda: not list(segments.iterdir()), 5, "handed-out segments to leave the spool")
 
 
+@pytest.mark.system
 def test_sigterm_stops_the_broker_while_a_learner_waits(start_broker, tmp_path):
     broker = start_broker({"broker.spool_dir": str(tmp_path / "spool"), "broker.batch_wait_s": 30})
     learner = ScriptedLearner(broker.address, "learner", timeout_s=1.0)
@@ -648,13 +659,13 @@ class Feed:
 
     def segment(self, num_tokens: int = 16):
         return make_segment(
+            turns(num_tokens),
             permit=self.permit,
             actor_id=self.actor.id,
             episode_id="bad-input",
             index=self.next_index,
             last=False,
             version=0,
-            num_tokens=num_tokens,
         )
 
     def frames(self, seg, tensors=None, **header) -> list[bytes]:
@@ -750,6 +761,7 @@ def bad_input_broker(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
+@pytest.mark.system
 def test_malformed_message_is_rejected_counted_and_survived(bad_input_broker, case):
     broker, feed = bad_input_broker
     build, code, field = BAD_INPUT[case]
@@ -767,6 +779,7 @@ def test_malformed_message_is_rejected_counted_and_survived(bad_input_broker, ca
     assert broker.proc.poll() is None
 
 
+@pytest.mark.system
 def test_oversized_frame_is_dropped_by_zeromq(bad_input_broker):
     broker, feed = bad_input_broker
     before = feed.learner.stats()
@@ -778,6 +791,7 @@ def test_oversized_frame_is_dropped_by_zeromq(bad_input_broker):
     assert broker.proc.poll() is None
 
 
+@pytest.mark.system
 def test_oversized_message_of_small_frames_is_rejected(bad_input_broker):
     """ZMQ_MAXMSGSIZE limits each frame; the decoder limits the whole message."""
     broker, feed = bad_input_broker
@@ -803,6 +817,7 @@ def generate_keys(out: Path, name: str) -> None:
     )
 
 
+@pytest.mark.system
 def test_curve_admits_only_authorized_keys_each_to_its_role(start_broker, tmp_path):
     """Two allow-lists: the learner's key may take the learner role, an actor's key may act. An
     actor key can neither become the learner nor publish or take batches; an unknown key gets no
@@ -878,6 +893,7 @@ def test_curve_admits_only_authorized_keys_each_to_its_role(start_broker, tmp_pa
 
 
 # ----------------------------------------------------------------------------- 6. weight fan-out
+@pytest.mark.system
 def test_weight_versions_are_visible_on_publish_never_backwards_two_kept(start_broker):
     """The broker holds manifests, never bytes: a version is visible from its PUBLISH on, the
     learner's chunk server serves it, versions never go backwards, and only the newest two are
@@ -914,6 +930,7 @@ def test_weight_versions_are_visible_on_publish_never_backwards_two_kept(start_b
 
 
 # ------------------------------------------------------------------------------ 7. GRPO groups
+@pytest.mark.system
 def test_groups_are_handed_out_whole(start_broker):
     """GRPO normalises over a group, so a batch holds all of a group's episodes or none of them,
     however their lengths order their completion."""
@@ -936,6 +953,7 @@ def test_groups_are_handed_out_whole(start_broker):
     assert len(assert_whole_episodes(batch)) == 2
 
 
+@pytest.mark.system
 def test_a_group_whose_actor_died_is_dropped_whole(start_broker):
     """The finished episodes of a group that can never be whole are dropped, not trained alone."""
     timeout_s = 1.0

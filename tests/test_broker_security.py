@@ -25,20 +25,13 @@ from typing import Any
 
 import msgpack
 import pytest
-from broker_peers import (
-    BrokerProcess,
-    Peer,
-    ScriptedActor,
-    ScriptedLearner,
-    make_segment,
-    segment_digest,
-    synthetic_weights,
-)
 
 from common.config import load_config
 from common.protocol import CLIENT_KINDS, SCHEMAS, encode
 from common.transport import Client, Endpoint, TransportError, free_port
 from common.weights import pack_state_dict
+from testkit.peers import BrokerProcess, Peer, ScriptedActor, ScriptedLearner
+from testkit.segments import make_segment, segment_digest, synthetic_weights
 
 
 def nested(depth: int) -> Any:
@@ -206,6 +199,7 @@ def send_all(peer: Peer, messages: Iterator[tuple[str, list]], broker: BrokerPro
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.system
 def test_schema_fuzz_never_crashes_the_broker_nor_loses_accepted_data(tmp_path):
     settings = {
         "broker.spool_dir": str(tmp_path / "spool"),
@@ -286,6 +280,7 @@ def broker(tmp_path):
         yield process
 
 
+@pytest.mark.system
 def test_the_learner_role_belongs_to_its_connection_until_its_lease_lapses(broker):
     learner = ScriptedLearner(broker.address, "learner")
     learner.hello(batch_size=2)
@@ -314,6 +309,7 @@ def test_the_learner_role_belongs_to_its_connection_until_its_lease_lapses(broke
     assert stats["policy_version"] == 1 and stats["rejected_learner_taken"] == 5
 
 
+@pytest.mark.system
 def test_an_actor_id_belongs_to_its_connection(broker):
     learner = ScriptedLearner(broker.address, "learner")
     learner.hello(batch_size=2)
@@ -354,6 +350,7 @@ def test_an_actor_id_belongs_to_its_connection(broker):
     assert learner.stats()["actors"] == 1
 
 
+@pytest.mark.system
 def test_ids_and_per_actor_state_are_bounded(broker):
     learner = ScriptedLearner(broker.address, "learner")
     learner.hello(batch_size=2)
@@ -376,6 +373,7 @@ def test_ids_and_per_actor_state_are_bounded(broker):
     ScriptedActor(broker.address, "a5").hello()  # the freed slot is usable
 
 
+@pytest.mark.system
 def test_stats_lists_at_most_a_thousand_actors(tmp_path):
     with BrokerProcess(tmp_path / "broker.log", {"broker.max_actors": 1200}) as process:
         peer = Peer(process.address, "probe")

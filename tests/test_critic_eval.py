@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_data import make_segment
 from test_learner import build_learner, fixed_batch, on_policy
 
 from deploy.cli import main
@@ -21,6 +20,7 @@ from learner.value import (
     turn_returns,
     turn_starts,
 )
+from testkit.segments import make_segment
 
 pytestmark = pytest.mark.usefixtures("single_process_group")
 

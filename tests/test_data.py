@@ -7,8 +7,6 @@ expected advantages below are written from that formula, not from the recursion 
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import pytest
 import torch
@@ -17,52 +15,11 @@ from hypothesis import strategies as st
 
 from common.config import load_config
 from common.trajectory import Segment
-from learner.advantages import gae, segment_targets
+from learner.advantages import Targets, gae, segment_targets
 from learner.algorithms import ESTIMATORS, Scores
 from learner.batch import Batch, group_episodes, micro_batches, split_for_rank
 from learner.value import turn_starts
-
-
-def make_segment(
-    layout: str,
-    *,
-    episode: str = "ep",
-    index: int = 0,
-    rewards: dict[int, float] | None = None,
-    terminated: bool = True,
-    last: bool = True,
-    group: str | None = None,
-    behavior: float = -6.0,
-) -> Segment:
-    """A segment from a layout string, 'a' = sampled action token, 'o' = prompt/observation token.
-
-    The reward defaults to 1 on the last action token; token ids are fixed per (episode, index).
-    """
-    mask = np.array([c == "a" for c in layout], dtype="|u1")
-    actions = np.flatnonzero(mask)
-    reward_array = np.zeros(len(layout), "<f4")
-    for pos, r in (rewards if rewards is not None else {int(actions[-1]): 1.0}).items():
-        reward_array[pos] = r
-    rng = np.random.default_rng(zlib.crc32(f"{episode}/{index}".encode()))
-    return Segment(
-        traj_id=f"{episode}/{index}",
-        episode_id=episode,
-        segment=index,
-        actor_id="actor-0",
-        task="test",
-        group_id=group,
-        permit=f"permit-{episode}",
-        last=last,
-        terminated=terminated,
-        truncated=not terminated,
-        temperature=1.0,
-        top_p=1.0,
-        tokens=rng.integers(5, 400, len(layout)).astype("<i4"),
-        action_mask=mask,
-        behavior_logprobs=np.where(mask == 1, behavior, 0.0).astype("<f4"),
-        versions=np.where(mask == 1, 0, -1).astype("<i4"),
-        rewards=reward_array,
-    )
+from testkit.segments import make_segment
 
 
 def closed_form(seg: Segment, values: torch.Tensor, boot: float) -> tuple[list[float], list[float]]:
@@ -142,6 +99,43 @@ def test_dynamic_truncation_cuts_and_bootstraps_at_the_cut():
     assert uncut.advantages.tolist() == pytest.approx(closed_form(seg, values, boot=0.0)[0])
 
 
+def turn_targets(layout: str, rewards: dict[int, float], values: list[float], **kw) -> Targets:
+    seg = make_segment(layout, rewards=rewards)
+    mask, r, terminated = row(seg)
+    return segment_targets(
+        mask, r, terminated, torch.tensor(values), 0.0, None, critic_lam=1.0,
+        adaptive_alpha=None, max_segment_steps=50, unit="turn", **kw,
+    )  # fmt: skip
+
+
+def test_turn_level_gae_is_token_level_gae_when_a_turn_is_one_token():
+    seg = make_segment("oaoaoa", rewards={3: 0.5, 5: 1.0})
+    mask, r, terminated = row(seg)
+    values = torch.tensor([0.0, 0.2, 0.0, 0.4, 0.0, 0.7])
+    kw = dict(gamma=0.9, lam=0.8, critic_lam=1.0, adaptive_alpha=None, max_segment_steps=50)
+    token = segment_targets(mask, r, terminated, values, 0.0, None, **kw)
+    turn = segment_targets(mask, r, terminated, values, 0.0, None, unit="turn", **kw)
+    assert torch.equal(token.advantages, turn.advantages)
+    assert torch.equal(token.returns, turn.returns)
+
+
+def test_turn_level_gae_steps_once_a_turn_from_the_value_where_the_turn_starts():
+    """Turns of 3, 2 and 1 tokens with rewards 0, 0.5, 1 on their last tokens; the recursion
+    runs over the turns' first tokens (values 0.2, 0.4, 0.7), at gamma 0.9 and lambda 0.8:
+    delta = (0 + 0.9*0.4 - 0.2, 0.5 + 0.9*0.7 - 0.4, 1 - 0.7) = (0.16, 0.73, 0.3),
+    A = (0.16 + 0.72*(0.73 + 0.72*0.3), 0.73 + 0.72*0.3, 0.3)."""
+    values = [0.0, 0.2, 9.0, 9.0, 0.0, 0.4, 9.0, 0.0, 0.7]  # 9: never read
+    t = turn_targets("oaaaoaaoa", {6: 0.5, 8: 1.0}, values, gamma=0.9, lam=0.8)
+    a3, a2 = 0.3, 0.73 + 0.72 * 0.3
+    a1 = 0.16 + 0.72 * a2
+    expected = [0, a1, a1, a1, 0, a2, a2, 0, a3]
+    assert t.advantages.tolist() == pytest.approx(expected, abs=1e-6)
+    # the critic's returns (critic_lam 1): the discounted rewards from each turn on, per turn
+    turn_returns = [0.9 * 0.5 + 0.81 * 1.0, 0.5 + 0.9 * 1.0, 1.0]
+    expected_returns = [0, *[turn_returns[0]] * 3, 0, *[turn_returns[1]] * 2, 0, turn_returns[2]]
+    assert t.returns.tolist() == pytest.approx(expected_returns, abs=1e-6)
+
+
 def test_adaptive_lambda_depends_on_the_segment_length():
     """With alpha 0.5 and 10 action tokens GAE runs at lambda = 1 - 1 / (alpha * L) = 0.8,
     whatever lam says: the advantages are GAE's at 0.8, not at 0.95."""
@@ -195,7 +189,7 @@ def test_micro_batches_pack_equal_segments_together():
 )
 def test_split_for_rank_covers_every_episode_once_and_whole(episode_lengths, world):
     segs = [
-        make_segment("o" + "a" * (n - 1), episode=f"ep{e}", index=k)
+        make_segment("o" + "a" * (n - 1), episode_id=f"ep{e}", index=k)
         for e, lengths in enumerate(episode_lengths)
         for k, n in enumerate(lengths)
     ]
@@ -213,8 +207,11 @@ def test_split_for_rank_covers_every_episode_once_and_whole(episode_lengths, wor
 
 
 def test_group_episodes_orders_segments_by_index():
-    late, early = make_segment("oa", episode="e", index=1), make_segment("oa", episode="e", index=0)
-    other = make_segment("oa", episode="f")
+    late, early = (
+        make_segment("oa", episode_id="e", index=1),
+        make_segment("oa", episode_id="e", index=0),
+    )
+    other = make_segment("oa", episode_id="f")
     assert group_episodes([late, other, early]) == [[early, late], [other]]
 
 
@@ -222,12 +219,12 @@ def test_grpo_targets_broadcast_the_group_advantage_to_action_tokens():
     # Group g1: episode a (two segments, reward 0.5 + 0.5) vs episode b (reward 0): A = +1 / -1.
     # Group g2: equal rewards, A = 0. Episode c has no group: a group of its own, A = 0.
     a0 = make_segment(
-        "oaao", episode="a", rewards={2: 0.5}, terminated=False, last=False, group="g1"
+        "oaao", episode_id="a", rewards={2: 0.5}, terminated=False, last=False, group_id="g1"
     )
-    a1 = make_segment("oooaa", episode="a", index=1, rewards={4: 0.5}, group="g1")
-    b = make_segment("oao", episode="b", rewards={}, group="g1")
-    d, e = (make_segment("oa", episode=name, rewards={1: 2.0}, group="g2") for name in "de")
-    c = make_segment("oaa", episode="c")
+    a1 = make_segment("oooaa", episode_id="a", index=1, rewards={4: 0.5}, group_id="g1")
+    b = make_segment("oao", episode_id="b", rewards={}, group_id="g1")
+    d, e = (make_segment("oa", episode_id=name, rewards={1: 2.0}, group_id="g2") for name in "de")
+    c = make_segment("oaa", episode_id="c")
     episodes = group_episodes([a0, a1, b, d, e, c])
     segs = [s for ep in episodes for s in ep]
     batch = Batch.of(segs)
@@ -245,9 +242,9 @@ def test_grpo_targets_broadcast_the_group_advantage_to_action_tokens():
 
 
 def test_a_batch_lays_segments_out_as_padded_rows_and_links_each_to_its_next_segment():
-    a0 = make_segment("oaao", episode="a", terminated=False, last=False)
-    a1 = make_segment("oooaa", episode="a", index=1)
-    b = make_segment("oa", episode="b")
+    a0 = make_segment("oaao", episode_id="a", terminated=False, last=False)
+    a1 = make_segment("oooaa", episode_id="a", index=1)
+    b = make_segment("oa", episode_id="b")
     batch = Batch.of([a0, a1, b])
     assert batch.tokens.shape == (3, 5) and batch.lengths.tolist() == [4, 5, 2]
     assert batch.next_row.tolist() == [1, -1, -1]
@@ -269,8 +266,8 @@ def test_a_batch_lays_segments_out_as_padded_rows_and_links_each_to_its_next_seg
 def test_gae_estimator_bootstraps_a_compaction_cut_from_the_next_segment_or_zero(mode, boot):
     """The registry's GAE on a Batch: the first segment of a compacted episode ends with the
     critic's value at the next segment's first action (ours) or with 0 (the ablation)."""
-    first = make_segment(LAYOUT, episode="c", rewards={3: 0.5}, terminated=False, last=False)
-    second = make_segment("oaa", episode="c", index=1, rewards={2: 1.0})
+    first = make_segment(LAYOUT, episode_id="c", rewards={3: 0.5}, terminated=False, last=False)
+    second = make_segment("oaa", episode_id="c", index=1, rewards={2: 1.0})
     batch = Batch.of([first, second])
     values = torch.zeros(batch.tokens.shape)
     values[0, : len(LAYOUT)] = VALUES

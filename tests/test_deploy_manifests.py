@@ -410,6 +410,7 @@ def test_kubernetes_job_turns_pod_annotations_into_metrics_targets() -> None:
     assert relabel(unannotated, job["relabel_configs"]) is None, "pods must opt in to scraping"
 
 
+@pytest.mark.system
 def test_promtool_accepts_the_config(tmp_path: Path) -> None:
     """Full check where promtool knows Kubernetes discovery; else every other job is checked.
 
@@ -459,6 +460,7 @@ def test_dashboard_queries_only_exported_metrics() -> None:
     assert not missing, f"dashboard lacks a panel for {sorted(missing)}"
 
 
+@pytest.mark.system
 def test_dashboard_promql_parses(tmp_path: Path) -> None:
     """promtool parses PromQL when it checks recording rules; Grafana's interval is substituted."""
     rules = [

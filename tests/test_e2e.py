@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import time
 import urllib.request
@@ -18,6 +19,7 @@ from deploy.launcher import STOP_TIMEOUT_S
 SLOW_EPOCHS = 5000  # passes over each batch: a step of the tiny model that takes minutes
 
 
+@pytest.mark.system
 def test_smoke_run_trains_and_every_actor_gets_new_weights(tmp_path, tiny_model, procs):
     metrics = free_port()
     summary_path = tmp_path / "summary.json"
@@ -56,6 +58,11 @@ def test_smoke_run_trains_and_every_actor_gets_new_weights(tmp_path, tiny_model,
     assert s["rejected_invalid"] == 0 and s["dropped_stale"] == 0
     for key in ("reward_first", "reward_last", "wall_seconds"):
         assert isinstance(s[key], float)
+    # each role's CPU seconds: every role worked, and none more than the run's wall time on
+    # every core of this machine (a sample is at most one watch tick behind the role)
+    cpu = s["cpu_seconds"]
+    assert set(cpu) == {"broker", "learner", "actors"}, cpu
+    assert all(0 < seconds <= s["wall_seconds"] * os.cpu_count() for seconds in cpu.values()), cpu
     assert "asyncppo_broker_trajectories_accepted_total" in scraped["broker"]
     assert "asyncppo_actor_tokens_generated_total" in scraped["actor"]
     assert "asyncppo_learner_policy_version" in scraped["learner"]
@@ -66,6 +73,7 @@ def test_smoke_run_trains_and_every_actor_gets_new_weights(tmp_path, tiny_model,
     assert [st["version"] for st in steps] == sorted(st["version"] for st in steps)
 
 
+@pytest.mark.system
 def test_ctrl_c_stops_every_role(tmp_path, tiny_model, procs):
     proc = procs.start(
         smoke_args(tmp_path, tiny_model, free_port(), "--set", "learner.total_steps=0"),

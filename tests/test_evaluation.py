@@ -100,6 +100,7 @@ def test_eval_command_scores_a_model_directory_on_held_out_instances(tmp_path, t
     assert "held-out maze instances" in capfd.readouterr().out
 
 
+@pytest.mark.system
 def test_a_run_that_completes_its_steps_scores_its_final_version(tmp_path, tiny_model, procs):
     """4 steps, an evaluation due only every 100 versions: the first version is scored while
     training runs, and the final one (4) only because the learner completed."""
@@ -119,6 +120,7 @@ def test_a_run_that_completes_its_steps_scores_its_final_version(tmp_path, tiny_
     assert summary["policy_version"] == 4 and summary["eval"][-1]["version"] == 4
 
 
+@pytest.mark.system
 def test_an_evaluator_beside_training_scores_published_versions(tmp_path, tiny_model, procs):
     metrics = free_port()
     proc_args = smoke_args(

@@ -6,7 +6,6 @@ committed results in docs/results/ are never overwritten by a test run.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 
 import deploy.warmup
+from bench import experiments
 from common.model import load_tokenizer
 from deploy.cli import main as cli_main
 from deploy.warmup import RECIPES, demonstrations, warm_up
@@ -25,22 +25,9 @@ from deploy.warmup import RECIPES, demonstrations, warm_up
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_bench(name: str):
-    """Import a bench/ script by path: putting bench/ on sys.path would let bench/learner.py and
-    bench/broker.py shadow the `learner` and `broker` packages (in spawned ranks too)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-experiments = _load_bench("experiments")
-
-
 def run_quick(name: str, out: Path) -> dict:
     subprocess.run(
-        [sys.executable, "bench/experiments.py", name, "--quick", "--out", str(out)],
+        [sys.executable, "-m", "bench.experiments", name, "--quick", "--out", str(out)],
         cwd=ROOT,
         check=True,
         timeout=1500,
@@ -244,6 +231,34 @@ def test_staleness_quick(tmp_path):
         assert max(run["series"]["max_staleness"]) <= run["labels"]["max_staleness"]
     # asynchronous samples really are stale
     assert report["summary"]["k4/icepop"]["max_staleness_seen"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # seven runs, an evaluator beside each
+def test_asynchrony_quick(tmp_path):
+    report = run_quick("asynchrony", tmp_path)
+    summary = report["summary"]
+    assert {(a["max_staleness"], a["arm"]) for a in summary.values()} == {
+        (0, "decoupled + IcePop")
+    } | {(k, arm) for k in (4, 8) for arm in experiments.ASYNC_ARMS}
+    for run in report["runs"]:  # held-out scores along the way, and staleness within its bound
+        assert len(run["held_out_curve"]) >= 2, run["name"]
+        assert max(run["series"]["max_staleness"]) <= run["labels"]["max_staleness"]
+    # the actors really run ahead where they may, and the roles' CPU is accounted
+    assert summary["eta 0 / decoupled + IcePop"]["mean_staleness"] == 0
+    assert summary["eta 8 / decoupled + IcePop"]["mean_staleness"] >= 1
+    for arm in summary.values():
+        assert all(c > 0 for c in arm["cpu_seconds_per_episode"].values()), arm
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_credit_quick(tmp_path):
+    report = run_quick("credit", tmp_path)
+    assert set(report["summary"]) == {"token", "turn"}
+    for run in report["runs"]:
+        assert run["overrides"]["learner.gae_unit"] == run["labels"]["gae_unit"]
+        assert len(run["held_out_curve"]) >= 2 and run["held_out"]["final"]["episodes"] == 48
 
 
 @pytest.mark.slow

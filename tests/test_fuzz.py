@@ -23,7 +23,6 @@ import psutil
 import pytest
 import torch
 import zmq
-from broker_peers import BrokerProcess, Peer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_protocol import SEGMENT_ERRORS, make_segment
@@ -31,6 +30,7 @@ from test_protocol import SEGMENT_ERRORS, make_segment
 from common.protocol import PROTO, SCHEMAS, ProtocolError, decode, encode
 from common.trajectory import MAX_ID_LEN, MAX_METRICS, Segment
 from common.weights import pack_state_dict, validate_manifest
+from testkit.peers import BrokerProcess, Peer
 
 LATEST = 10  # the newest policy version the decoder is told about
 FUZZ = settings(
@@ -315,6 +315,7 @@ def rejected_counts(stats: dict) -> Counter:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.system
 def test_broker_survives_a_socket_fuzz(tmp_path):
     limit = 1 << 20
     with BrokerProcess(tmp_path / "broker.log", {"broker.max_message_bytes": limit}) as broker:

@@ -3,29 +3,22 @@ plain route), its failure policy, and the labelled set's evaluation."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import openai
 import pytest
-from conftest import ROOT
 from test_agent import agent_actor  # noqa: F401  (the fixture)
 from test_broker import start_broker  # noqa: F401  (the fixture agent_actor needs)
 
 from actors.envs import make_env
 from actors.envs.guard import keyword_judge
 from actors.envs.judge import LLMJudge
+from bench import judge as bench
 
 UNREACHABLE = "http://127.0.0.1:9/v1"  # the discard port: nothing listens
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("judge_bench", ROOT / "bench" / "judge.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
+@pytest.mark.system
 def test_plain_completions_take_no_permit_and_train_nothing(agent_actor) -> None:  # noqa: F811
     actor, learner = agent_actor
     client = openai.OpenAI(base_url=f"{actor.server.address}/v1", api_key="unused")
@@ -38,6 +31,7 @@ def test_plain_completions_take_no_permit_and_train_nothing(agent_actor) -> None
     assert not actor.driver.sessions and not actor.driver.plain
 
 
+@pytest.mark.system
 def test_the_judge_asks_a_real_endpoint_and_counts_what_it_got(agent_actor) -> None:  # noqa: F811
     actor, _ = agent_actor
     judge = LLMJudge(f"{actor.server.address}/v1", actor.driver.model, on_failure="allow")
@@ -72,7 +66,6 @@ def test_judge_settings_are_checked() -> None:
 
 def test_the_labelled_set_scores_rules_judge_and_guard() -> None:
     """The rules flag no legitimate call of the set; a judge can only add catches to them."""
-    bench = load_bench()
     cases = json.loads(bench.CASES.read_text())["cases"]
     report = bench.evaluate(cases, keyword_judge(["reference", "solution", "answers", "urllib"]))
     assert report["rules"]["false_positives"] == 0 and report["rules"]["precision"] == 1.0

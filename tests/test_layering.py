@@ -1,7 +1,8 @@
-"""The import layering: common <- broker, actors, learner <- deploy, and no import circle.
+"""The import layering: common <- broker, actors, learner, testkit <- deploy, and no import circle.
 
 The roles talk only through the wire (docs/protocol.md), so none imports another; ``common`` is
-what they share and imports none of them; ``deploy`` wires them together. A lazy import inside a
+what they share and imports none of them; ``deploy`` wires them together. ``testkit`` (scripted
+peers and synthetic data for tests and benchmarks) speaks the wire through ``common`` only. A lazy import inside a
 function counts too: it is still a dependency.
 """
 
@@ -11,12 +12,13 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("common", "broker", "actors", "learner", "deploy")
+PACKAGES = ("common", "broker", "actors", "learner", "testkit", "deploy")
 ALLOWED = {
     "common": {"common"},
     "broker": {"common", "broker"},
     "actors": {"common", "actors"},
     "learner": {"common", "learner"},
+    "testkit": {"common", "testkit"},
     "deploy": set(PACKAGES),
 }
 

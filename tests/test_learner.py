@@ -24,7 +24,6 @@ from deepspeed.runtime.zero import GatheredParameters
 from prometheus_client import REGISTRY
 from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs
-from test_data import make_segment
 from transformers import AutoModelForCausalLM
 
 from actors.engines import SamplingParams, make_engine
@@ -41,6 +40,7 @@ from learner.models import Policy, token_logprobs
 from learner.step import EV_WINDOW, TrainStep, clip_epsilon
 from learner.trainer import Learner
 from learner.value import explained_variance, value_sums
+from testkit.segments import make_segment
 
 COMPARED = (
     "policy_loss",
@@ -89,13 +89,13 @@ def fixed_batch() -> list[Segment]:
     """Four episodes of different lengths: one terminal, one compacted into two segments, one
     ended by the turn budget (bootstraps from its end value)."""
     return [
-        make_segment("oooaaaoooaa", episode="short", rewards={10: 1.0}),
+        make_segment("oooaaaoooaa", episode_id="short", rewards={10: 1.0}),
         make_segment(
-            "ooaaaaooooaaa", episode="long", rewards={5: 0.5}, terminated=False, last=False
+            "ooaaaaooooaaa", episode_id="long", rewards={5: 0.5}, terminated=False, last=False
         ),
-        make_segment("oooooaaaaoa", episode="long", index=1, rewards={10: -1.0}),
-        make_segment("ooaaoooaaaaoaaa", episode="mid", rewards={14: 1.0}),
-        make_segment("ooooaaaaaaa", episode="budget", rewards={10: 0.5}, terminated=False),
+        make_segment("oooooaaaaoa", episode_id="long", index=1, rewards={10: -1.0}),
+        make_segment("ooaaoooaaaaoaaa", episode_id="mid", rewards={14: 1.0}),
+        make_segment("ooooaaaaaaa", episode_id="budget", rewards={10: 0.5}, terminated=False),
     ]
 
 
@@ -169,6 +169,31 @@ def test_icepop_without_mismatch_equals_no_correction(new_learner, tiny_model):
     assert stats_icepop["importance_weight_mean"] == pytest.approx(1.0, abs=1e-5)
     assert changed(before, snapshot(icepop), "policy/")
     assert_same_step(stats_icepop, stats_plain, snapshot(icepop), snapshot(plain), atol=0.0)
+
+
+def test_naive_ppo_clips_against_mu_and_equals_decoupled_ppo_when_mu_is_pi_prox(new_learner):
+    """`learner.proximal: behavior` anchors the clipped ratio at μ. With μ = π_prox exactly its
+    step is decoupled PPO's without a correction; with μ two nats below π_prox every ratio is
+    e^2, beyond the clip, where decoupled PPO's ratio is 1 and clips nothing."""
+    naive = new_learner("learner.proximal=behavior", "learner.correction=none")
+    plain = new_learner("learner.correction=none")
+    batch = scored_by(naive, fixed_batch())
+    stats_naive, stats_plain = naive.train_step(batch), plain.train_step(batch)
+    assert_same_step(stats_naive, stats_plain, snapshot(naive), snapshot(plain), atol=0.0)
+
+    naive = new_learner("learner.proximal=behavior", "learner.correction=none")
+    plain = new_learner("learner.correction=none")
+    batch = scored_by(naive, fixed_batch())
+    for seg in batch:
+        seg.behavior_logprobs[seg.action_mask == 1] -= 2.0
+    stats_naive, stats_plain = naive.train_step(batch), plain.train_step(batch)
+    assert stats_plain["clip_fraction"] == 0.0
+    assert stats_naive["clip_fraction"] > 0.2, stats_naive
+
+
+def test_naive_ppo_has_no_behavior_weight_to_correct_with():
+    with pytest.raises(ConfigError, match="learner.proximal.*correction=none"):
+        load_config(None, ["learner.proximal=behavior"])
 
 
 def test_mismatched_tokens_are_masked_without_nan(new_learner, tiny_model):
@@ -245,6 +270,7 @@ def train_one_rank(
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
+@pytest.mark.system
 def test_two_ranks_take_the_same_step_and_stop_together(
     new_learner, tiny_model, tmp_path, zero_stage
 ):
@@ -392,7 +418,9 @@ def grpo_batch(rewards: list[float]) -> list[Segment]:
     """Four single-segment episodes, two per group, with the given episode rewards."""
     layouts = ["oooaaaa", "ooaaaaaaa", "oooooaaa", "ooaaaoaa"]
     return [
-        make_segment(layout, episode=f"e{i}", rewards={len(layout) - 1: r}, group=f"g{i // 2}")
+        make_segment(
+            layout, episode_id=f"e{i}", rewards={len(layout) - 1: r}, group_id=f"g{i // 2}"
+        )
         for i, (layout, r) in enumerate(zip(layouts, rewards, strict=True))
     ]
 
@@ -693,18 +721,15 @@ def sampled_segments(model: Path, params: SamplingParams) -> list[Segment]:
     segs = []
     for i, (prompt, gen) in enumerate(zip(prompts, engine.generate(prompts, params), strict=True)):
         n, k = len(prompt), len(gen.token_ids)
-        rewards = np.zeros(n + k, "<f4")
-        rewards[-1] = 1.0
-        header = make_segment("oa", episode=f"t{i}").header()
-        header.update(temperature=gen.temperature, top_p=gen.top_p)
         segs.append(
-            Segment(
-                **header,
+            make_segment(
+                "o" * n + "a" * k,
+                episode_id=f"t{i}",
+                temperature=gen.temperature,
+                top_p=gen.top_p,
                 tokens=np.array(prompt + gen.token_ids, "<i4"),
-                action_mask=np.array([0] * n + [1] * k, "|u1"),
                 behavior_logprobs=np.array([0.0] * n + gen.logprobs, "<f4"),
                 versions=np.array([-1] * n + gen.versions, "<i4"),
-                rewards=rewards,
             )
         )
     return segs

@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-from broker_peers import BrokerProcess
 from conftest import free_port, smoke_args
 from peft import PeftModel
 from test_learner import build_learner, fixed_batch, on_policy, snapshot
@@ -25,6 +24,7 @@ from common.lora import AdapterRefused, adapter_tensors, factor_pairs, fingerpri
 from common.protocol import ProtocolError
 from common.weights import pack_state_dict, unpack_state_dict, validate_manifest
 from learner.models import token_logprobs
+from testkit.peers import BrokerProcess
 
 pytestmark = pytest.mark.usefixtures("single_process_group")
 LORA = ("learner.lora.rank=4", "learner.lr=1e-2", "learner.critic_lr=1e-2")
@@ -233,6 +233,7 @@ def test_resume_and_export_adapter_and_merged(tmp_path, tiny_model, stepped):
         torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.system
 def test_actor_takes_published_adapters_and_refuses_another_bases(tmp_path, tiny_model):
     """Broker process; the learner publishes through it; a real Actor fetches, merges and samples
     at zero staleness with the learner's log-probs; an adapter for another base is refused and
@@ -274,6 +275,7 @@ def test_actor_takes_published_adapters_and_refuses_another_bases(tmp_path, tiny
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.system
 def test_lora_run_trains_end_to_end_in_real_processes(tmp_path, tiny_model, procs):
     """`asyncppo up` with LoRA: the learner publishes adapters of a few KB, every actor merges
     them, and at zero staleness the learner's pi_prox equals the actors' mu token for token."""

@@ -25,10 +25,13 @@ from test_roles import get, steps_of, wait_for
 from common.lifecycle import spawn
 
 PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
-pytestmark = pytest.mark.skipif(
-    not (PROMETHEUS and PROMTOOL),
-    reason="needs Debian's prometheus package (prometheus and promtool on PATH)",
-)
+pytestmark = [
+    pytest.mark.system,
+    pytest.mark.skipif(
+        not (PROMETHEUS and PROMTOOL),
+        reason="needs Debian's prometheus package (prometheus and promtool on PATH)",
+    ),
+]
 ACTORS = 2
 
 

@@ -31,6 +31,9 @@ STATS_PROBE = (
 )
 
 
+pytestmark = pytest.mark.system  # every test here starts real processes
+
+
 def ip(*args: str) -> None:
     out = subprocess.run(["ip", *args], capture_output=True, text=True)
     if out.returncode:

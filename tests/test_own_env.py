@@ -91,6 +91,7 @@ def test_an_object_that_is_not_an_environment_is_refused_naming_what_it_lacks(
         make_env("half_env:strict", colour="red")
 
 
+@pytest.mark.system
 def test_the_cli_refuses_a_bad_env_before_starting_anything(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "deploy.cli", "up", "--config", "configs/smoke.yaml"]
@@ -133,6 +134,7 @@ def run_up(tmp_path: Path, tiny_model: Path, procs, env: str, pythonpath: list[P
     return json.loads(summary.read_text())
 
 
+@pytest.mark.system
 def test_training_runs_end_to_end_on_the_example_package(tmp_path, tiny_model, procs) -> None:
     """examples/guess_env, outside asyncppo, named by import path: real broker, learner and
     actors train on it, and the actors played it (its task name is on every trained step)."""
@@ -143,6 +145,7 @@ def test_training_runs_end_to_end_on_the_example_package(tmp_path, tiny_model, p
     assert '"env": "guess_env:make_env"' in actor_log
 
 
+@pytest.mark.system
 def test_an_environment_that_fails_mid_episode_costs_the_episode_not_the_actor(
     tmp_path, tiny_model, procs
 ) -> None:

@@ -8,32 +8,24 @@ import pytest
 
 from common.protocol import ProtocolError, decode, encode
 from common.trajectory import Segment
+from testkit.segments import make_segment as segment_of
 
 
 def make_segment(**overrides) -> Segment:
-    mask = np.array([0, 0, 1, 1, 0, 1], dtype="|u1")
+    """Two turns at versions 3 and 4 with rewards 0.5 and 1.0: every field a wire check reads."""
     fields = dict(
         traj_id="t1",
         episode_id="e1",
-        segment=0,
         actor_id="a1",
-        task="digits",
-        group_id=None,
         permit="p1",
-        last=True,
-        terminated=True,
-        truncated=False,
-        temperature=1.0,
-        top_p=1.0,
+        task="digits",
         tokens=np.array([5, 6, 7, 8, 9, 10], dtype="<i4"),
-        action_mask=mask,
         behavior_logprobs=np.array([0, 0, -0.5, -1.0, 0, -0.25], dtype="<f4"),
         versions=np.array([-1, -1, 3, 3, -1, 4], dtype="<i4"),
         rewards=np.array([0, 0, 0, 0.5, 0, 1.0], dtype="<f4"),
         metrics={"success": True, "turns": 2},
     )
-    fields.update(overrides)
-    return Segment(**fields)
+    return segment_of("ooaaoa", **{**fields, **overrides})
 
 
 def wire(seg: Segment) -> list:

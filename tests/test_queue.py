@@ -7,11 +7,11 @@ read off directly: what a segment is admitted under, what is dropped and why, wh
 from __future__ import annotations
 
 import pytest
-from broker_peers import make_segment
 
 from broker.admission import Admission
 from broker.queue import EpisodeQueue
 from common.protocol import ProtocolError
+from testkit.segments import make_segment
 
 
 def queue(max_staleness: int = 1, batch_size: int = 4, max_bytes: int = 1 << 30) -> EpisodeQueue:

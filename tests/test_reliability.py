@@ -21,7 +21,6 @@ import psutil
 import pytest
 import torch
 import zmq
-from broker_peers import Peer, ScriptedLearner
 from conftest import ROOT, free_port, smoke_args
 from test_broker import start_broker, wait_until  # noqa: F401  (the fixture)
 
@@ -35,6 +34,7 @@ from common.protocol import PROTO
 from common.transport import TransportError
 from common.weights import pack_state_dict
 from deploy.launcher import run_outcome
+from testkit.peers import Peer, ScriptedLearner
 
 
 def actor_config(broker_address: str, model: Path, *extra: str):
@@ -56,6 +56,7 @@ def run_in_thread(actor: Actor) -> tuple[threading.Event, threading.Thread]:
     return stop, thread
 
 
+@pytest.mark.system
 def test_an_engine_step_three_times_the_heartbeat_timeout_is_not_taken_for_death(
     start_broker,  # noqa: F811
     tiny_model: Path,
@@ -93,6 +94,7 @@ def test_an_engine_step_three_times_the_heartbeat_timeout_is_not_taken_for_death
     learner.close()
 
 
+@pytest.mark.system
 def test_the_learner_keeps_its_role_through_a_long_step(start_broker) -> None:  # noqa: F811
     """HEARTBEAT from the learner's own connection is liveness: with it, another connection cannot
     take the learner role after the lease; without it, it can."""
@@ -112,6 +114,7 @@ def test_the_learner_keeps_its_role_through_a_long_step(start_broker) -> None:  
     usurper.close()
 
 
+@pytest.mark.system
 def test_a_client_of_protocol_1_is_told_once_in_its_own_version(start_broker) -> None:  # noqa: F811
     """A client built against version 1 of docs/protocol.md gets one ERROR that it can decode
     (proto 1, its own req echoed) naming both versions, and the broker serves on."""
@@ -146,6 +149,7 @@ def adapter_for_another_base(version: int) -> tuple[dict, list]:
     return pack_state_dict(tensors, version, 1 << 20, adapter_base="0" * 64)
 
 
+@pytest.mark.system
 def test_a_refused_version_leaves_the_actor_alive_quiet_and_not_ready(
     start_broker,  # noqa: F811
     tiny_model: Path,
@@ -203,6 +207,7 @@ def wait_gone(processes: list[psutil.Process], timeout_s: float) -> list[psutil.
     return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
+@pytest.mark.system
 def test_asyncppo_up_killed_hard_leaves_no_role_behind(tmp_path: Path, tiny_model: Path, procs):
     """SIGKILL the launcher mid-run (it can clean nothing up): every role it started gets
     SIGTERM from the kernel and stops by itself."""
@@ -220,6 +225,7 @@ def test_asyncppo_up_killed_hard_leaves_no_role_behind(tmp_path: Path, tiny_mode
     assert not left, [p.cmdline() for p in left]
 
 
+@pytest.mark.system
 def test_a_test_run_killed_hard_leaves_no_role_behind(tmp_path: Path) -> None:
     """A pytest process that started a broker through the tests' own helper is SIGKILLed (as
     `timeout` or a CI runner does): the broker goes with it."""
@@ -265,9 +271,13 @@ def test_a_test_run_killed_hard_leaves_no_role_behind(tmp_path: Path) -> None:
             os.killpg(pytest_run.pid, signal.SIGKILL)
 
 
+@pytest.mark.system
 def test_up_exits_nonzero_when_the_run_ends_before_total_steps(tmp_path: Path, tiny_model):
     """`run.max_wall_s` reached with none of 4 steps done: exit status 1, and the last line
-    says why."""
+    says why. The run dir held an earlier run: it is moved aside, so the new logs start clean."""
+    earlier_log = tmp_path / "run" / "logs" / "learner.log"
+    earlier_log.parent.mkdir(parents=True)
+    earlier_log.write_text("the earlier run\n")
     result = subprocess.run(
         [sys.executable, "-m", "deploy.cli"]
         + smoke_args(tmp_path, tiny_model, free_port(), "--set", "run.max_wall_s=3")
@@ -282,6 +292,10 @@ def test_up_exits_nonzero_when_the_run_ends_before_total_steps(tmp_path: Path, t
     assert last == "[up] incomplete: run.max_wall_s (3 s) reached after 0 of 4 steps", last
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["exit"] == 1 and summary["outcome"] == last.removeprefix("[up] ")
+    moved = tmp_path / "run.prev" / "logs" / "learner.log"
+    assert f"held an earlier run: moved to {tmp_path / 'run.prev'}" in result.stdout
+    assert moved.read_text() == "the earlier run\n"
+    assert "the earlier run" not in (tmp_path / "run" / "logs" / "learner.log").read_text()
 
 
 @pytest.mark.parametrize(
@@ -300,6 +314,7 @@ def test_the_exit_status_says_whether_the_run_did_what_it_was_asked(
     assert run_outcome(failure, ended, done, total) == expected
 
 
+@pytest.mark.system
 def test_the_learner_compiles_nothing_at_its_first_start(tmp_path: Path) -> None:
     """DeepSpeed's CPU comm backend would JIT-build its shared-memory inference all-reduce into
     TORCH_EXTENSIONS_DIR at the first start (40 s to minutes); the learner never needs it."""
@@ -319,6 +334,7 @@ def test_the_learner_compiles_nothing_at_its_first_start(tmp_path: Path) -> None
     assert list(extensions.rglob("*")) == [], "something was compiled"
 
 
+@pytest.mark.system
 def test_every_version_gauge_reads_minus_one_before_any_version() -> None:
     """0 would mean "holds version 0": before any version every role's gauge says -1."""
     code = textwrap.dedent(

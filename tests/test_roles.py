@@ -1,4 +1,4 @@
-"""Roles started by hand as in the README (separate processes, explicit endpoints), a late-joining
+"""Roles started by hand as in docs/operations.md (separate processes, explicit endpoints), a late-joining
 actor, actors added and removed while training runs, and a broker restarted without a spool."""
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import time
 import urllib.error
 import urllib.request
 
-from broker_peers import BrokerProcess
+import pytest
 from conftest import ROOT, free_port, smoke_args
 
 from common.config import load_config
 from common.metrics import Health, serve_metrics
 from common.transport import Client, Endpoint, TransportError
+from testkit.peers import BrokerProcess
 
 
 def stats(endpoint: str) -> dict:
@@ -58,6 +59,7 @@ def steps_of(run_dir) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.system
 def test_roles_by_hand_with_a_late_joiner(tmp_path, tiny_model, procs):
     port, endpoint = free_port(), None
     endpoint = f"tcp://127.0.0.1:{port}"
@@ -112,6 +114,7 @@ def test_roles_by_hand_with_a_late_joiner(tmp_path, tiny_model, procs):
         assert p.wait(timeout=30) == 0
 
 
+@pytest.mark.system
 def test_a_learner_stopped_after_its_broker_died_checkpoints_and_exits(tmp_path, tiny_model, procs):
     """kill -9 the broker while the learner waits for a batch, then SIGTERM the learner: it must
     not wait for the broker for ever (its retries would keep it from the final checkpoint)."""
@@ -137,6 +140,7 @@ def test_a_learner_stopped_after_its_broker_died_checkpoints_and_exits(tmp_path,
     assert (tmp_path / "checkpoints" / "policy" / "step0").is_dir()
 
 
+@pytest.mark.system
 def test_torchrun_learner_trains_data_parallel_on_two_ranks(tmp_path, tiny_model, procs):
     """The multi-node learner command: torchrun starts 2 DeepSpeed ranks (gloo on CPU); rank 0
     talks to the broker, both train every step and exit together."""
@@ -166,6 +170,7 @@ def test_torchrun_learner_trains_data_parallel_on_two_ranks(tmp_path, tiny_model
         assert p.wait(timeout=30) == 0
 
 
+@pytest.mark.system
 def test_actors_scale_up_and_down_while_training(tmp_path, tiny_model, procs):
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
@@ -216,6 +221,7 @@ def test_actors_scale_up_and_down_while_training(tmp_path, tiny_model, procs):
     assert len({a for s in steps_of(run_dir) for a in s["actors"]}) >= 3
 
 
+@pytest.mark.system
 def test_a_broker_restarted_without_spool_gets_the_learners_weights_again(
     tmp_path, tiny_model, procs
 ):

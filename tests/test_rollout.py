@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from broker_peers import ScriptedLearner
 from test_broker import start_broker, wait_until  # noqa: F401  (the fixture)
 
 from actors.actor import Actor
@@ -24,6 +23,7 @@ from actors.envs import make_env
 from actors.episode import Episode
 from actors.play import Rollouts
 from common.config import load_config
+from testkit.peers import ScriptedLearner
 
 
 def maze_episodes(fmt: ChatFormat, n: int, max_turns: int = 6) -> list[Episode]:
@@ -99,6 +99,7 @@ def test_prefix_reuse_encodes_each_context_token_once(engine: TorchEngine) -> No
     assert used > 1.5 * floor  # each turn's context again
 
 
+@pytest.mark.system
 def test_the_actor_fills_its_slots_from_a_real_broker(start_broker, tiny_model: Path) -> None:  # noqa: F811
     """An actor asks for permits while slots are free (more in flight than one request grants),
     never holds more than max_inflight_episodes, and the broker hands out whole episodes."""
@@ -149,13 +150,14 @@ def test_the_actor_fills_its_slots_from_a_real_broker(start_broker, tiny_model: 
         assert segments[-1].last
 
 
+@pytest.mark.system
 def test_the_rollout_benchmark_runs_and_reencode_is_exact(tmp_path: Path, tiny_model: Path) -> None:
-    """`bench/rollout.py --quick` (the README's command, few episodes): every variant plays the
+    """`python -m bench.rollout --quick` (the benchmark's command, few episodes): every variant plays the
     same episodes, and under weight swaps `reencode` leaves every token's μ equal to its
     version's log π while `keep` does not."""
     out = tmp_path / "rollout.json"
     subprocess.run(
-        [sys.executable, "bench/rollout.py", "--quick", "--model", str(tiny_model)]
+        [sys.executable, "-m", "bench.rollout", "--quick", "--model", str(tiny_model)]
         + ["--swap-every", "10", "--out", str(out)],
         check=True,
         timeout=600,

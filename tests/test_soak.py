@@ -29,7 +29,8 @@ def test_short_soak_reports_memory_and_throughput_of_every_role(tmp_path, tiny_m
     subprocess.run(
         [
             sys.executable,
-            "bench/soak.py",
+            "-m",
+            "bench.soak",
             "--minutes",
             "1.5",
             "--interval",
@@ -40,8 +41,6 @@ def test_short_soak_reports_memory_and_throughput_of_every_role(tmp_path, tiny_m
             "configs/smoke.yaml",
             "--out",
             str(out),
-            "--png",
-            str(png),
             *(a for k, v in overrides.items() for a in ("--set", f"{k}={v}")),
         ],
         cwd=ROOT,

@@ -12,7 +12,6 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
-from broker_peers import BrokerProcess, Peer, ScriptedActor, ScriptedLearner, synthetic_weights
 from test_broker import start_broker, wait_until  # noqa: F401  (the fixture)
 
 from actors.actor import Actor
@@ -22,6 +21,8 @@ from common.pieces import Pieces
 from common.protocol import ProtocolError, decode, encode
 from common.transport import Endpoint
 from common.weights import pack_state_dict
+from testkit.peers import BrokerProcess, Peer, ScriptedActor, ScriptedLearner
+from testkit.segments import synthetic_weights
 
 
 class Fetcher(ScriptedActor):
@@ -61,6 +62,7 @@ def serving(broker: BrokerProcess) -> tuple[ScriptedLearner, dict, list]:
     return learner, *learner.publish(0, nbytes=256 << 10, chunk_bytes=16 << 10)
 
 
+@pytest.mark.system
 def test_a_chain_of_fetchers_gets_every_byte_each_from_the_one_before(start_broker):  # noqa: F811
     learner, manifest, chunks = serving(broker := start_broker())
     fetchers = [Fetcher(broker.address, f"a{i}") for i in range(3)]
@@ -82,6 +84,7 @@ def test_a_chain_of_fetchers_gets_every_byte_each_from_the_one_before(start_brok
         peer.close()
 
 
+@pytest.mark.system
 def test_a_relay_that_stops_serving_mid_version_is_routed_around(start_broker):  # noqa: F811
     """The chain's relay holds half the chunks and never gets the rest (killed, frozen): the
     fetcher after it takes the first half from it, waits, gives it up, and gets the rest from the
@@ -104,6 +107,7 @@ def test_a_relay_that_stops_serving_mid_version_is_routed_around(start_broker): 
         peer.close()
 
 
+@pytest.mark.system
 def test_a_peer_that_serves_a_forged_chunk_is_caught_and_avoided(start_broker):  # noqa: F811
     learner, manifest, chunks = serving(broker := start_broker())
     liar, honest, later = (Fetcher(broker.address, name) for name in ("liar", "honest", "later"))
@@ -142,6 +146,7 @@ def manifest_of(total_bytes: int, chunk_bytes: int, version: int) -> dict:
     }  # fmt: skip
 
 
+@pytest.mark.system
 def test_the_brokers_memory_does_not_grow_with_a_versions_size(tmp_path: Path) -> None:
     """Versions of 16 MiB, then of 4 GiB: the broker holds manifests, never bytes."""
     with BrokerProcess(tmp_path / "broker.log") as broker:
@@ -210,6 +215,7 @@ def test_pieces_keep_only_chunks_that_check() -> None:
     assert pieces.complete and pieces.first_at <= pieces.done_at
 
 
+@pytest.mark.system
 def test_an_actor_plays_on_while_it_fetches_the_next_version(start_broker, tiny_model):  # noqa: F811
     """η = 2: while version 1 cannot be fetched yet (its source holds back every chunk), the
     actor at version 0 keeps starting episodes at version 0; once the chunks are there it swaps

@@ -1,14 +1,13 @@
-"""Real ZeroMQ peers of the broker, shared by tests/test_broker.py and bench/broker.py.
+"""Real ZeroMQ peers of the broker: the scripted actor and learner of the tests and bench/broker.
 
-The scripted actor and learner talk through ``common.transport.Client``, the code the real roles
-use, but need no model: segments are synthetic yet valid ``common.trajectory.Segment``s and weights
-are random tensors packed by ``common.weights.pack_state_dict``. ``BrokerProcess`` runs the real
-``asyncppo broker`` in its own process, so tests can kill -9 it and start it again.
+They talk through ``common.transport.Client``, the code the real roles use, but need no model:
+segments come from ``testkit.segments`` and weights are random tensors packed by
+``common.weights.pack_state_dict``. ``BrokerProcess`` runs the real ``asyncppo broker`` in its own
+process, so a test can kill -9 it and start it again.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -29,9 +28,7 @@ from common.protocol import PROTO, Message, ProtocolError, decode
 from common.trajectory import ARRAYS, Segment
 from common.transport import Client, Endpoint, TransportError, free_port, send
 from common.weights import pack_state_dict
-
-if TYPE_CHECKING:
-    import torch
+from testkit.segments import make_segment, segment_digest, synthetic_weights, turns
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MESSAGE_BYTES = BrokerConfig().max_message_bytes
@@ -124,77 +121,6 @@ class BrokerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def make_segment(
-    *,
-    permit: str,
-    actor_id: str,
-    episode_id: str,
-    index: int,
-    last: bool,
-    version: int,
-    num_tokens: int = 64,
-    seed: int = 0,
-    group_id: str | None = None,
-) -> Segment:
-    """A valid segment: a prompt token, then turns of 3 action tokens and 1 observation token.
-
-    Action tokens carry ``version`` and a log-prob < 0; the last action token of an episode's final
-    segment carries the reward. A non-final segment is ``truncated`` (a compaction cut).
-    """
-    if num_tokens < 2:
-        raise ValueError(
-            f"num_tokens must be >= 2 (a prompt token and an action), got {num_tokens}"
-        )
-    rng = np.random.default_rng(seed)
-    act = np.arange(num_tokens) % 4 != 0  # position 0 is the prompt, every 4th an observation
-    rewards = np.zeros(num_tokens, np.float32)
-    if last:
-        rewards[np.flatnonzero(act)[-1]] = 1.0
-    return Segment(
-        traj_id=f"{episode_id}.{index}",
-        episode_id=episode_id,
-        segment=index,
-        actor_id=actor_id,
-        task="scripted",
-        group_id=group_id,
-        permit=permit,
-        last=last,
-        terminated=last,
-        truncated=not last,
-        temperature=1.0,
-        top_p=1.0,
-        tokens=rng.integers(0, 32_000, num_tokens, dtype=np.int32),
-        action_mask=act.astype(np.uint8),
-        behavior_logprobs=np.where(act, -rng.random(num_tokens, np.float32), 0).astype(np.float32),
-        versions=np.where(act, version, -1).astype(np.int32),
-        rewards=rewards,
-        metrics={"turns": int(act.sum()) // 3},
-    )
-
-
-def synthetic_weights(nbytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A state dict of exactly ``nbytes`` (a multiple of 8): a float32 matrix and a bias."""
-    import torch
-
-    if nbytes < 8 or nbytes % 8:
-        raise ValueError(f"nbytes must be a positive multiple of 8, got {nbytes}")
-    gen = torch.Generator().manual_seed(seed)
-    numel = nbytes // 4
-    return {
-        "layer.weight": torch.rand(numel - 2, generator=gen),
-        "layer.bias": torch.rand(2, generator=gen),
-    }
-
-
-def segment_digest(seg: Segment) -> str:
-    """sha256 of a segment's arrays, name by name: equal digests, equal tensors."""
-    h = hashlib.sha256()
-    for name, arr in seg.arrays().items():
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(arr))
-    return h.hexdigest()
 
 
 def fetch_chunks(peer: Peer, manifest: dict, stall_s: float = 5.0) -> list:
@@ -316,13 +242,13 @@ class ScriptedActor(Peer):
         """Build one segment at our current version and send it; returns it once acknowledged.
         ``on_send`` sees the segment once it is built, right before it goes out."""
         seg = make_segment(
+            turns(self.num_tokens),
             permit=permit,
             actor_id=self.id,
             episode_id=episode_id,
             index=index,
             last=last,
             version=self.version,
-            num_tokens=self.num_tokens,
             seed=self.episodes * 1000 + index,
             group_id=group_id,
         )
