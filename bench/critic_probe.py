@@ -21,13 +21,13 @@ import dataclasses
 import json
 from pathlib import Path
 
-from bench import experiments as X
+from bench.experiments import chain, runs, tasks
 from bench.record import SCRATCH, write_report
 from common.config import parse_override
 
 
 def main() -> None:
-    arms = {prefix: (label, extra) for label, (prefix, extra) in X.CRITICS.items()}
+    arms = {prefix: (label, extra) for label, (prefix, extra) in chain.CRITICS.items()}
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("arm", choices=sorted(arms))
     ap.add_argument("--seeds", type=int, default=3)
@@ -37,25 +37,29 @@ def main() -> None:
     args = ap.parse_args()
     label, extra = arms[args.arm]
     extra = {**extra, **dict(args.sets)}
-    X.fitted_critic(False)
+    runs.fitted_critic(False)
     # the run's name says its overrides (a path's last part only: a run name is a directory)
     tag = "".join(f"-{k.rsplit('.', 1)[-1]}{str(v).rsplit('/', 1)[-1]}" for k, v in args.sets)
     per_seed = []
     for seed in range(args.seeds):
-        run = X.chain_run(
+        run = runs.chain_run(
             f"{args.arm}{tag}-{args.steps}steps-s{seed}",
             {"task": "early", "algorithm": f"ppo, {label}"},
             False,
             seed,
             args.steps,
-            **{"actor.env_kwargs": X.CHAIN_VARIANTS["early"], "learner.algorithm": "ppo", **extra},
+            **{
+                "actor.env_kwargs": tasks.CHAIN_VARIANTS["early"],
+                "learner.algorithm": "ppo",
+                **extra,
+            },
         )
         run = dataclasses.replace(
-            run, critic_steps=tuple(s for s in X.CRITIC_STEPS if s <= args.steps)
+            run, critic_steps=tuple(s for s in chain.CRITIC_STEPS if s <= args.steps)
         )
-        per_seed.append(X.launch(run, "critic_probe").critic_curve)
+        per_seed.append(runs.launch(run, "critic_probe").critic_curve)
     fractions = {
-        name: {step: scores[key] for step, scores in X.critic_curve_intervals(per_seed).items()}
+        name: {step: scores[key] for step, scores in chain.critic_curve_intervals(per_seed).items()}
         for name, key in (
             ("of_value_function", "fraction_of_exact"),
             ("of_monte_carlo_estimate", "fraction"),

@@ -50,10 +50,6 @@ def sh(*args: str) -> str:
     return out.stdout
 
 
-def ns(host: str) -> str:
-    return f"{PREFIX}-{host}"
-
-
 def address(index: int) -> str:
     return f"10.88.0.{index + 1}"
 
@@ -61,37 +57,43 @@ def address(index: int) -> str:
 class Network:
     """Hosts on one switch, every cable rate-limited both ways."""
 
-    def __init__(self, hosts: list[str], rate: str) -> None:
-        self.hosts, self.rate = hosts, rate
+    def __init__(self, hosts: list[str], rate: str, prefix: str = PREFIX) -> None:
+        self.hosts, self.rate, self.prefix = hosts, rate, prefix
+
+    def ns(self, host: str) -> str:
+        """The network namespace of ``host``."""
+        return f"{self.prefix}-{host}"
 
     def build(self) -> None:
         self.remove()
-        sh("ip", "netns", "add", ns("sw"))
-        sh("ip", "-n", ns("sw"), "link", "add", "br0", "type", "bridge")
-        sh("ip", "-n", ns("sw"), "link", "set", "br0", "up")
+        sh("ip", "netns", "add", self.ns("sw"))
+        sh("ip", "-n", self.ns("sw"), "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", self.ns("sw"), "link", "set", "br0", "up")
         for i, host in enumerate(self.hosts):
-            sh("ip", "netns", "add", ns(host))
-            sh("ip", "-n", ns(host), "link", "set", "lo", "up")
+            sh("ip", "netns", "add", self.ns(host))
+            sh("ip", "-n", self.ns(host), "link", "set", "lo", "up")
             port = f"p{i}"
-            sh("ip", "-n", ns("sw"), "link", "add", port, "type", "veth", "peer", "name", "eth0",
-               "netns", ns(host))  # fmt: skip
-            sh("ip", "-n", ns("sw"), "link", "set", port, "master", "br0")
-            sh("ip", "-n", ns("sw"), "link", "set", port, "up")
-            sh("ip", "-n", ns(host), "addr", "add", f"{address(i)}/24", "dev", "eth0")
-            sh("ip", "-n", ns(host), "link", "set", "eth0", "up")
-            for where, dev in ((ns(host), "eth0"), (ns("sw"), port)):  # up- and downlink
+            sh("ip", "-n", self.ns("sw"), "link", "add", port, "type", "veth", "peer", "name", "eth0",
+               "netns", self.ns(host))  # fmt: skip
+            sh("ip", "-n", self.ns("sw"), "link", "set", port, "master", "br0")
+            sh("ip", "-n", self.ns("sw"), "link", "set", port, "up")
+            sh("ip", "-n", self.ns(host), "addr", "add", f"{address(i)}/24", "dev", "eth0")
+            sh("ip", "-n", self.ns(host), "link", "set", "eth0", "up")
+            for where, dev in ((self.ns(host), "eth0"), (self.ns("sw"), port)):  # up- and downlink
                 sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
                    "rate", self.rate, "burst", "256kb", "latency", "100ms")  # fmt: skip
 
     def remove(self) -> None:
         for host in ("sw", *self.hosts):
-            subprocess.run(["ip", "netns", "del", ns(host)], capture_output=True)
+            subprocess.run(["ip", "netns", "del", self.ns(host)], capture_output=True)
 
     def sent(self) -> dict[str, tuple[int, int]]:
         """(bytes sent, bytes received) of each host's cable (kernel counters)."""
         out = {}
         for host in self.hosts:
-            stats = json.loads(sh("ip", "-n", ns(host), "-j", "-s", "link", "show", "dev", "eth0"))
+            stats = json.loads(
+                sh("ip", "-n", self.ns(host), "-j", "-s", "link", "show", "dev", "eth0")
+            )
             out[host] = (stats[0]["stats64"]["tx"]["bytes"], stats[0]["stats64"]["rx"]["bytes"])
         return out
 
@@ -100,7 +102,7 @@ class Network:
 
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         with open(log, "wb") as out:
-            return spawn(["ip", "netns", "exec", ns(host), sys.executable, *args], cwd=ROOT,
+            return spawn(["ip", "netns", "exec", self.ns(host), sys.executable, *args], cwd=ROOT,
                          env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
 
 
@@ -133,9 +135,10 @@ def serve(broker: str, nbytes: int, chunk_bytes: int, go: Path) -> None:
     signal.sigwait({signal.SIGTERM})
 
 
-def fetcher(broker: str, name: str) -> None:
-    """An actor's weight path: a chunk server, HELLO, then the first version published, fetched
-    from whom the broker names and served on; prints when it started and finished."""
+def fetcher(broker: str, name: str, stall_s: float = 120.0, go: Path | None = None) -> None:
+    """An actor's weight path: a chunk server, HELLO, then (once the file ``go`` exists, if
+    given) the first version published, fetched from whom the broker names and served on (a
+    source silent for ``stall_s`` is given up); prints when it started and finished."""
     from common.config import SecurityConfig
     from common.peers import PeerServer, Source, fetch
     from common.pieces import Pieces
@@ -146,6 +149,8 @@ def fetcher(broker: str, name: str) -> None:
     client = Client(endpoint, broker, name, timeout_s=30)
     client.request("HELLO", {"role": "actor", "version": -1, "peer_port": server.port})
     print(json.dumps({"ready": True}), flush=True)
+    while go is not None and not go.exists():
+        time.sleep(0.001)
     while (info := client.request("WEIGHTS_INFO")).kind != "WEIGHTS_MANIFEST":
         time.sleep(0.005)
     started = time.time()
@@ -158,7 +163,7 @@ def fetcher(broker: str, name: str) -> None:
         sources.append(reply.header["source"]["id"])
         return Source(**reply.header["source"])
 
-    fetch(pieces, where, endpoint, name, stall_s=120)
+    fetch(pieces, where, endpoint, name, stall_s=stall_s)
     done = time.time()
     pieces.tensors()  # every tensor's sha256, as an actor checks before loading
     print(json.dumps({"started": started, "done": done, "verified": time.time(),
@@ -273,7 +278,10 @@ def main() -> None:
         if sys.argv[1] == "serve":
             serve(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
         else:
-            fetcher(sys.argv[2], sys.argv[3])
+            stall_s, go = (
+                (float(sys.argv[4]), Path(sys.argv[5])) if len(sys.argv) > 5 else (120, None)
+            )
+            fetcher(sys.argv[2], sys.argv[3], stall_s, go)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 MB to 1 and 4 actors")

@@ -30,6 +30,7 @@ from common.lifecycle import spawn
 from common.transport import Client, Endpoint, TransportError
 
 STOP_TIMEOUT_S = 30.0
+RUN_FILES = ("logs", "learner_steps.jsonl", "eval.jsonl", "actors.target")  # what `up` writes
 
 
 class Launcher:
@@ -348,8 +349,9 @@ def stall(host: str, port: int) -> str | None:
 def set_aside_earlier_run(run_dir: Path) -> Path | None:
     """``up`` never continues a run (its learner starts fresh), so an earlier run's logs, step
     log and evaluations would mix with the new run's: move them to ``<run dir>.prev``, replacing
-    the one before, and return where they went (None when there was nothing to move)."""
-    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+    the one before, and return where they went (None when there was nothing to move). A run dir
+    holding other files only (a caller's own log) is no earlier run and stays."""
+    if not any((run_dir / name).exists() for name in RUN_FILES):
         return None
     earlier = run_dir.with_name(run_dir.name + ".prev")
     if earlier.exists():

@@ -1,4 +1,4 @@
-"""The quick setting of every experiment in bench/experiments.py, on real `asyncppo up` runs.
+"""The quick setting of every experiment in bench/experiments/, on real `asyncppo up` runs.
 
 Slow: each takes a few minutes on 2 cores. The outputs go to a temporary directory, so the
 committed results in docs/results/ are never overwritten by a test run.
@@ -18,6 +18,7 @@ import pytest
 
 import deploy.warmup
 from bench import experiments
+from bench.experiments import asynchrony, ppo_vs_grpo, runs, stats, tasks
 from common.model import load_tokenizer
 from deploy.cli import main as cli_main
 from deploy.warmup import RECIPES, demonstrations, warm_up
@@ -52,11 +53,11 @@ def test_pipeline_rates_count_only_time_outside_steps():
         {"time": 13.0, "step_seconds": 1.0, "tokens": 30, "episodes": 3},
         {"time": 14.0, "step_seconds": 1.0, "tokens": 10, "episodes": 1},
     ]
-    rates = experiments.pipeline_rates(steps)
+    rates = stats.pipeline_rates(steps)
     assert rates["tokens_per_second"] == pytest.approx(40 / 4)
     assert rates["episodes_per_second"] == pytest.approx(4 / 4)
     assert rates["idle_fraction"] == pytest.approx((3 - 1 + 1 - 1) / 4)
-    assert math.isnan(experiments.pipeline_rates(steps[:1])["tokens_per_second"])
+    assert math.isnan(stats.pipeline_rates(steps[:1])["tokens_per_second"])
 
 
 def maze_record(rewards: list[float], algorithm: str = "ppo") -> dict:
@@ -73,23 +74,23 @@ def maze_record(rewards: list[float], algorithm: str = "ppo") -> dict:
 def test_episodes_to_reach_reads_the_seed_mean_smoothed_curve():
     fast, slow = maze_record([0.0, 1.0, 1.0, 1.0]), maze_record([0.0, 0.0, 0.0, 1.0])
     # seed mean [0, .5, .5, 1]; trailing mean over 2 steps [0, .25, .5, .75]
-    assert experiments.episodes_to_reach([fast, slow], 0.5, window=2) == 48
-    assert experiments.episodes_to_reach([fast], 0.5, window=2) == 32
-    assert experiments.episodes_to_reach([slow], 0.9, window=1) == 64
-    assert experiments.episodes_to_reach([slow], 1.1, window=1) is None
-    assert experiments.episodes_to_reach([], 0.5) is None
+    assert stats.episodes_to_reach([fast, slow], 0.5, window=2) == 48
+    assert stats.episodes_to_reach([fast], 0.5, window=2) == 32
+    assert stats.episodes_to_reach([slow], 0.9, window=1) == 64
+    assert stats.episodes_to_reach([slow], 1.1, window=1) is None
+    assert stats.episodes_to_reach([], 0.5) is None
 
 
 def test_sample_efficiency_is_episodes_to_90pct_of_grpos_gain_and_undefined_without_gain():
     grpo = [0.0] * 5 + [0.2, 0.4, 0.6, 0.8, 1.0] + [1.0] * 10
     ppo = [0.0] * 5 + [1.0] * 15  # reaches the level sooner
-    summary = experiments.summarize_ppo_vs_grpo([maze_record(ppo), maze_record(grpo, "grpo")])
+    summary = ppo_vs_grpo.summarize_ppo_vs_grpo([maze_record(ppo), maze_record(grpo, "grpo")])
     needed = summary["maze/episodes_to_90pct_of_grpo_gain"]
     assert needed["start"] == 0.0 and needed["level"] == pytest.approx(0.9)
     assert needed["ppo"] < needed["grpo"]
     assert summary["maze/sample_efficiency_ppo_over_grpo"] == needed["grpo"] / needed["ppo"]
 
-    flat = experiments.summarize_ppo_vs_grpo(
+    flat = ppo_vs_grpo.summarize_ppo_vs_grpo(
         [maze_record([0.5] * 20), maze_record([0.5] * 20, "grpo")]
     )
     assert flat["maze/sample_efficiency_ppo_over_grpo"].startswith("undefined")
@@ -98,25 +99,25 @@ def test_sample_efficiency_is_episodes_to_90pct_of_grpos_gain_and_undefined_with
 def test_final_reward_and_smoothing():
     steps = [{"episode_rewards": [0.0] * 6}, {"episode_rewards": [1.0, 1.0]}]
     # the last quarter of 8 episodes: the last 2
-    assert experiments.final_reward(steps) == pytest.approx(1.0)
-    assert experiments.final_reward(steps, fraction=0.5) == pytest.approx(0.5)
-    assert experiments.smooth([0, 3, 6, 9], window=2).tolist() == [0, 1.5, 4.5, 7.5]
+    assert stats.final_reward(steps) == pytest.approx(1.0)
+    assert stats.final_reward(steps, fraction=0.5) == pytest.approx(0.5)
+    assert stats.smooth([0, 3, 6, 9], window=2).tolist() == [0, 1.5, 4.5, 7.5]
 
 
 def test_reuse_runs_only_what_the_earlier_report_lacks(tmp_path, monkeypatch):
     """--reuse: adding seeds launches only the new seeds; a failed or changed run runs again."""
     overrides = {"x": 1}
-    fields = (*experiments.SERIES_KEYS, "episodes")
+    fields = (*runs.SERIES_KEYS, "episodes")
 
     def make_runs(quick: bool, seeds: int) -> list:
-        return [experiments.Run(f"r-s{s}", {"arm": "a"}, dict(overrides), s) for s in range(seeds)]
+        return [runs.Run(f"r-s{s}", {"arm": "a"}, dict(overrides), s) for s in range(seeds)]
 
     def launch(run, name):
         launched.append(run.name)
         step = {k: 0.0 for k in fields} | {"episode_rewards": [1.0], "staleness_histogram": [1]}
-        return experiments.Result(run, {"episodes_trained": 1}, [step])
+        return runs.Result(run, {"episodes_trained": 1}, [step])
 
-    fake = experiments.Experiment(
+    fake = runs.Experiment(
         make_runs, lambda records: {"n": len(records)}, lambda records, axes: None, 1, 1, "c"
     )
     monkeypatch.setitem(experiments.EXPERIMENTS, "fake", fake)
@@ -205,23 +206,23 @@ def test_ppo_vs_grpo_quick(tmp_path):
 @pytest.mark.slow
 def test_icepop_quick(tmp_path):
     report = run_quick("icepop", tmp_path)
-    for corr, stats in report["summary"].items():
-        kept = stats["kept_fraction"]["mean"]
+    for corr, arm in report["summary"].items():
+        kept = arm["kept_fraction"]["mean"]
         assert kept == 1.0 if corr == "none" else 0.0 < kept <= 1.0
         # bf16 sampling vs fp32 recompute: the weights differ from 1, but only slightly
-        assert stats["importance_weight_max"] > 1.0
+        assert arm["importance_weight_max"] > 1.0
 
 
 @pytest.mark.slow
 def test_icepop_smollm2_quick(tmp_path):
-    if not (ROOT / experiments.SMOLLM2 / "config.json").exists():
-        pytest.skip(f"{experiments.SMOLLM2} is missing: run `make smollm2`")
+    if not (ROOT / tasks.SMOLLM2 / "config.json").exists():
+        pytest.skip(f"{tasks.SMOLLM2} is missing: run `make smollm2`")
     report = run_quick("icepop_smollm2", tmp_path)
-    assert report["model"] == experiments.SMOLLM2
-    for corr, stats in report["summary"].items():
-        assert 0.0 < stats["kept_fraction"]["mean"] <= 1.0, corr
+    assert report["model"] == tasks.SMOLLM2
+    for corr, arm in report["summary"].items():
+        assert 0.0 < arm["kept_fraction"]["mean"] <= 1.0, corr
         # bf16 sampling of real weights vs their fp32 recompute: a visible mismatch
-        assert stats["importance_weight_max"] > 1.0, corr
+        assert arm["importance_weight_max"] > 1.0, corr
 
 
 @pytest.mark.slow
@@ -240,7 +241,7 @@ def test_asynchrony_quick(tmp_path):
     summary = report["summary"]
     assert {(a["max_staleness"], a["arm"]) for a in summary.values()} == {
         (0, "decoupled + IcePop")
-    } | {(k, arm) for k in (4, 8) for arm in experiments.ASYNC_ARMS}
+    } | {(k, arm) for k in (4, 8) for arm in asynchrony.ASYNC_ARMS}
     for run in report["runs"]:  # held-out scores along the way, and staleness within its bound
         assert len(run["held_out_curve"]) >= 2, run["name"]
         assert max(run["series"]["max_staleness"]) <= run["labels"]["max_staleness"]

@@ -350,3 +350,16 @@ def test_every_version_gauge_reads_minus_one_before_any_version() -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["actor", "-1.0", "learner", "-1.0", "eval", "-1.0"]
+
+
+def test_only_an_earlier_run_is_moved_aside_not_a_callers_own_files(tmp_path: Path) -> None:
+    from deploy.launcher import set_aside_earlier_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "up.log").write_text("the caller's log of this very run\n")
+    assert set_aside_earlier_run(run) is None and (run / "up.log").exists()
+    (run / "learner_steps.jsonl").write_text("{}\n")
+    assert set_aside_earlier_run(run) == tmp_path / "run.prev"
+    assert not run.exists() and (tmp_path / "run.prev" / "learner_steps.jsonl").exists()
+    assert set_aside_earlier_run(run) is None  # nothing there any more
