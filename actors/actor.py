@@ -208,7 +208,7 @@ class Actor:
         tensors = pieces.tensors()
         t1 = time.monotonic()
         try:
-            self.engine.load_version(manifest, tensors)
+            self.engine.load_version(manifest, tensors, self.cfg.actor.weight_noise_std)
         except ValueError as exc:
             self.refused = manifest["version"]
             M_REFUSED.inc()

@@ -218,6 +218,14 @@ class ActorConfig:
         "torch engine, new weights mid-episode: reencode (drop the KV cache; every token's mu is "
         "exactly its version's) or keep (old keys/values stay; mu mixes versions).",
     )
+    weight_noise_std: float = param(
+        0.0,
+        "Experiments only: an emulated engine mismatch. Every loaded weight w becomes "
+        "w*(1 + e), e ~ N(0, std^2), fixed per version, so the actor samples from a policy a "
+        "little off the learner's (as another dtype or kernel does) and reports that policy's "
+        "log-probs as mu. Full weights only (not LoRA adapters); 0 is off.",
+        minimum=0,
+    )
     seed: int = param(0, "Base seed for environments and sampling.")
 
 

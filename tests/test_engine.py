@@ -427,3 +427,17 @@ def test_simulated_engine_reports_the_exact_uniform_logprob(tiny_model) -> None:
 def test_sglang_engine_without_sglang_says_how_to_install(tmp_path: Path) -> None:
     with pytest.raises(ImportError, match=r"pip install 'asyncppo\[sglang\]' on a CUDA machine"):
         make_engine("sglang", str(tmp_path))
+
+
+def test_an_emulated_mismatch_perturbs_every_float_weight_the_same_way_for_a_version() -> None:
+    """`actor.weight_noise_std`: w*(1 + e), e ~ N(0, std^2) drawn from the version, so that every
+    actor holding a version samples from the same off-policy weights; 0 leaves them alone."""
+    from actors.engines.base import emulated_mismatch
+
+    tensors = {"w": torch.linspace(-1, 1, 1000), "ids": torch.arange(10)}
+    assert emulated_mismatch(tensors, 0.0, 3) is tensors
+    a, b, c = (emulated_mismatch(tensors, 0.5, v) for v in (3, 3, 4))
+    assert torch.equal(a["w"], b["w"]) and not torch.equal(a["w"], c["w"])
+    assert torch.equal(a["ids"], tensors["ids"])  # integer buffers stay as they are
+    ratio = (a["w"] / tensors["w"])[tensors["w"].abs() > 0.01] - 1
+    assert 0.4 < float(ratio.std()) < 0.6 and abs(float(ratio.mean())) < 0.1

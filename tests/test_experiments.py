@@ -249,7 +249,9 @@ def test_asynchrony_quick(tmp_path):
     assert summary["eta 0 / decoupled + IcePop"]["mean_staleness"] == 0
     assert summary["eta 8 / decoupled + IcePop"]["mean_staleness"] >= 1
     for arm in summary.values():
-        assert all(c > 0 for c in arm["cpu_seconds_per_episode"].values()), arm
+        rates = arm["dedicated_episodes_per_second"]
+        assert 0 < rates["lockstep"] < rates["overlapped"], arm
+    assert summary["eta 0 / decoupled + IcePop"]["async_over_sync"]["measured_here"] == 1.0
 
 
 @pytest.mark.slow
@@ -260,6 +262,19 @@ def test_credit_quick(tmp_path):
     for run in report["runs"]:
         assert run["overrides"]["learner.gae_unit"] == run["labels"]["gae_unit"]
         assert len(run["held_out_curve"]) >= 2 and run["held_out"]["final"]["episodes"] == 48
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_mismatch_threshold_quick(tmp_path):
+    report = run_quick("mismatch_threshold", tmp_path)
+    summary = report["summary"]
+    assert set(summary) == {"noise 0.0 / icepop"} | {
+        f"noise {n} / {c}" for n in (0.6, 1.0) for c in ("none", "icepop")
+    }
+    # the perturbed actors' mu is off the learner's pi_prox: IcePop's band drops tokens
+    assert summary["noise 1.0 / icepop"]["kept_fraction"]["mean"] < 1.0
+    assert summary["noise 0.0 / icepop"]["importance_weight_max"] < 1.1
 
 
 @pytest.mark.slow

@@ -65,6 +65,23 @@ class Generation:
     top_p: float
 
 
+def emulated_mismatch(
+    tensors: dict[str, torch.Tensor], std: float, seed: int
+) -> dict[str, torch.Tensor]:
+    """``actor.weight_noise_std``: every floating weight w as w*(1 + e), e ~ N(0, std^2), drawn
+    from ``seed`` (the version), so that every actor samples from the same perturbed policy. The
+    size of a real engine mismatch (bf16, another kernel) is what an experiment dials with it."""
+    if not std:
+        return tensors
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        name: t * (1 + std * torch.randn(t.shape, generator=gen, dtype=t.dtype))
+        if t.is_floating_point()
+        else t
+        for name, t in tensors.items()
+    }
+
+
 class Engine(ABC):
     """A turn is submitted under a key; ``step`` advances every submitted turn and returns those
     that finished. Weights may be swapped between steps; each token carries the version of the
@@ -92,13 +109,16 @@ class Engine(ABC):
         """Apply a LoRA adapter (``common.lora``) for the base model with fingerprint ``base``."""
         raise AdapterRefused(f"{type(self).__name__} cannot apply LoRA adapters")
 
-    def load_version(self, manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
+    def load_version(
+        self, manifest: dict, tensors: dict[str, torch.Tensor], weight_noise_std: float = 0.0
+    ) -> None:
         """A fetched version, full weights or an adapter as its manifest says. Raises ValueError
         (``AdapterRefused`` among them) for weights this engine cannot take; it keeps its own."""
         if "adapter" in manifest:
             self.load_adapter(manifest["version"], tensors, manifest["adapter"]["base"])
         else:
-            self.load_weights(manifest["version"], tensors)
+            version = manifest["version"]
+            self.load_weights(version, emulated_mismatch(tensors, weight_noise_std, version))
 
     def kv_cache_bytes(self) -> int:
         """Bytes of KV cache this process holds for keys in flight (0: none, or kept elsewhere)."""

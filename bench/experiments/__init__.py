@@ -15,6 +15,7 @@ runs/bench/ or --out (`<name>.json`/`.png`; `<name>_quick.*` for --quick).
     python -m bench.experiments async       [--quick] [--seeds N]   # max_staleness 4 vs 0, torch + simulated
     python -m bench.experiments asynchrony  [--quick] [--seeds N]   # η 0/4/8 x (ours, no weight, naive) on chain, held out
     python -m bench.experiments credit      [--quick] [--seeds N]   # token- vs turn-level GAE on chain, pre-fitted critic
+    python -m bench.experiments mismatch_threshold [--quick]         # perturbed actor weights: none vs IcePop
 
 A Makefile target would be `for e in ppo_vs_grpo icepop staleness async; do $(PY) -m
 bench.experiments $$e; done`. --quick finishes in a few minutes per experiment (what the slow
@@ -74,8 +75,11 @@ from bench.experiments.chain import (
 from bench.experiments.mismatch import (
     icepop_runs,
     icepop_smollm2_runs,
+    mismatch_threshold_runs,
     plot_icepop,
+    plot_mismatch_threshold,
     summarize_icepop,
+    summarize_mismatch_threshold,
 )
 from bench.experiments.ppo_vs_grpo import plot_ppo_vs_grpo, ppo_vs_grpo_runs, summarize_ppo_vs_grpo
 from bench.experiments.runs import (
@@ -188,6 +192,17 @@ EXPERIMENTS = {
         prepare=lambda quick: fitted_critic(
             quick, {WARM_CHAIN_CRITIC: FITTED_CRITICS[WARM_CHAIN_CRITIC]}
         ),
+    ),
+    "mismatch_threshold": Experiment(
+        mismatch_threshold_runs,
+        summarize_mismatch_threshold,
+        plot_mismatch_threshold,
+        3,
+        1,
+        "without a correction, training degrades once the actors' policy is far enough off the "
+        "learner's; IcePop keeps learning there",
+        model=WARM_CHAIN_MODEL,
+        prepare=warm_model("chain", WARM_CHAIN_MODEL),
     ),
     "async": Experiment(
         async_runs,

@@ -56,40 +56,60 @@ def asynchrony_runs(quick: bool, seeds: int) -> list[Run]:
     ]
 
 
+def dedicated_rates(rs: list[dict]) -> dict[str, float]:
+    """Episodes per second that the roles' measured CPU seconds per episode imply on machines of
+    their own: each actor on a core of its own, the learner on another. In lockstep (η = 0) an
+    episode waits for the actors, then for the learner: their times add. Overlapped (η > 0) the
+    slower side alone sets the pace. Neither counts waiting, which costs no CPU."""
+    per_episode = {
+        role: float(
+            np.mean(
+                [r["summary"]["cpu_seconds"][role] / r["summary"]["episodes_trained"] for r in rs]
+            )
+        )
+        for role in ("actors", "learner")
+    }
+    actors = per_episode["actors"] / rs[0]["actors"]  # the actors play in parallel
+    return {
+        "actors_cpu_seconds_per_episode": per_episode["actors"],
+        "learner_cpu_seconds_per_episode": per_episode["learner"],
+        "lockstep": 1 / (actors + per_episode["learner"]),
+        "overlapped": 1 / max(actors, per_episode["learner"]),
+    }
+
+
 def summarize_asynchrony(records: list[dict]) -> dict[str, Any]:
-    """Per η and arm: held-out success at the end (95% t-interval over seeds) and along the
-    curve, the staleness of the trained tokens, throughput per wall second and per CPU second
-    of the roles, and the rates the roles' CPU costs imply on dedicated machines."""
+    """Per η and arm: held-out success at the start, along the curve and at the end (95%
+    t-interval over seeds), the staleness of the trained tokens, episodes trained, throughput
+    per wall second, and the rates the roles' CPU seconds imply on dedicated machines; then each
+    arm's async/sync ratios against ours at η = 0, measured here and implied there."""
     summary: dict[str, Any] = {}
     for (k, arm), rs in sorted(groups(records, "max_staleness", "arm").items()):
         hist = np.sum([np.pad(r["staleness_histogram"], (0, 16))[:16] for r in rs], axis=0)
-        cpu = [r["summary"].get("cpu_seconds", {}) for r in rs]
-        episodes = [r["summary"]["episodes_trained"] for r in rs]
-        per_episode = {  # role CPU seconds per trained episode, mean over seeds
-            role: float(
-                np.mean([c.get(role, np.nan) / e for c, e in zip(cpu, episodes, strict=True)])
-            )
-            for role in ("actors", "learner", "broker")
-        }
         summary[f"eta {k} / {arm}"] = {
             "max_staleness": k,
             "arm": arm,
             **held_out_summary(rs),
             "trained_token_staleness": (hist / max(hist.sum(), 1)).round(4).tolist(),
             "mean_staleness": float((np.arange(16) * hist).sum() / max(hist.sum(), 1)),
+            "episodes_trained": mean_std([r["summary"]["episodes_trained"] for r in rs]),
             "episodes_per_second": mean_std([r["episodes_per_second"] for r in rs]),
             "tokens_per_second": mean_std([r["tokens_per_second"] for r in rs]),
             "learner_idle_fraction": mean_std([r["idle_fraction"] for r in rs]),
-            "cpu_seconds_per_episode": per_episode,
-            # On machines of their own (actors on their own cores, the learner on its own), an
-            # episode costs the actors' CPU once and the learner's once: in lockstep the two add,
-            # overlapped the slower one sets the pace.
-            "dedicated_episodes_per_second_overlapped": 1
-            / max(per_episode["actors"], per_episode["learner"]),
-            "dedicated_episodes_per_second_lockstep": 1
-            / (per_episode["actors"] + per_episode["learner"]),
+            "dedicated_episodes_per_second": dedicated_rates(rs),
             "wall_seconds": mean_std([r["summary"]["wall_seconds"] for r in rs]),
         }
+    sync = summary.get(f"eta 0 / {next(iter(ASYNC_ARMS))}")
+    for arm in summary.values():
+        if sync is not None:
+            arm["async_over_sync"] = {
+                "measured_here": arm["episodes_per_second"]["mean"]
+                / sync["episodes_per_second"]["mean"],
+                "dedicated_machines": arm["dedicated_episodes_per_second"][
+                    "overlapped" if arm["max_staleness"] else "lockstep"
+                ]
+                / sync["dedicated_episodes_per_second"]["lockstep"],
+            }
     return summary
 
 
