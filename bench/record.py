@@ -22,7 +22,8 @@ SCRATCH = Path("runs/bench")  # where a report goes unless --out says otherwise
 def command() -> str:
     """The command line that ran this process, as it is rerun from the repository root."""
     spec = getattr(sys.modules["__main__"], "__spec__", None)
-    program = f"-m {spec.name}" if spec is not None else os.path.relpath(sys.argv[0], ROOT)
+    module = spec.name.removesuffix(".__main__") if spec is not None else None  # a package's
+    program = f"-m {module}" if module else os.path.relpath(sys.argv[0], ROOT)
     return f"python {program} {shlex.join(sys.argv[1:])}".rstrip()
 
 

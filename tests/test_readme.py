@@ -81,7 +81,7 @@ def test_every_decimal_figure_of_the_readme_results_is_a_claimed_value() -> None
         file = re.fullmatch(r"\[(\S+\.json)\]\(docs/results/\1\)", link)
         assert file and file[1] == CLAIMS[result][1], link
         provenance = json.loads((RESULTS / file[1]).read_text())["provenance"]
-        assert commit == provenance["commit"], f"{result}: commit {commit} vs {provenance}"
+        assert len(commit) >= 7 and provenance["commit"].startswith(commit), (result, provenance)
 
 
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
