@@ -219,7 +219,7 @@ def test_pieces_keep_only_chunks_that_check() -> None:
 def test_an_actor_plays_on_while_it_fetches_the_next_version(start_broker, tiny_model):  # noqa: F811
     """η = 2: while version 1 cannot be fetched yet (its source holds back every chunk), the
     actor at version 0 keeps starting episodes at version 0; once the chunks are there it swaps
-    to version 1 and plays that."""
+    to version 1 and plays on from there."""
     broker = start_broker({"broker.max_staleness": 2})
     learner = ScriptedLearner(broker.address, "learner")
     learner.server.close()  # one that holds a request for a chunk it lacks for a minute
@@ -250,10 +250,22 @@ def test_an_actor_plays_on_while_it_fetches_the_next_version(start_broker, tiny_
         for i, c in enumerate(chunks1):
             held_back.put(i, c)
         wait_until(lambda: actor.engine.version == 1, 30, "the swap to version 1")
-        wait_until(  # after the episodes of version 0 still queued
-            lambda: any(s.min_version == 1 for s in learner.get_batch(1, 2) or []), 60,
-            "episodes played at version 1", every_s=0.1,
-        )  # fmt: skip
+        # Train as a learner does: a batch, then the next version. Admission counts on those
+        # publishes (a permit is due by a later one), so a learner that only took batches would
+        # leave the actor no capacity once the episodes of version 0 had filled it.
+        version = [1]
+
+        def played_after_the_swap() -> bool:
+            batch = learner.get_batch(version[0], 2)
+            if batch is None:
+                return False
+            if any(s.min_version >= 1 for s in batch):
+                return True
+            version[0] += 1
+            learner.publish(version[0])
+            return False
+
+        wait_until(played_after_the_swap, 60, "episodes played after the swap", every_s=0.1)
     finally:
         stop.set()
         thread.join(timeout=30)
