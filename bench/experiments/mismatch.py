@@ -56,20 +56,24 @@ def icepop_smollm2_runs(quick: bool, seeds: int) -> list[Run]:
     return mismatch_runs(base, 3 if quick else 8, seeds)
 
 
-def summarize_icepop(records: list[dict]) -> dict[str, Any]:
+def mismatch_seen(rs: list[dict]) -> dict[str, Any]:
+    """The training reward at the end and the mismatch the learner saw over every step of the
+    runs `rs`: IcePop's kept fraction and the behavior weights π_prox/μ (whatever the correction
+    then did with them)."""
     return {
-        corr: {
-            "final_reward": mean_std([r["final_reward"] for r in rs]),
-            "kept_fraction": mean_std([v for r in rs for v in r["series"]["icepop_kept_fraction"]]),
-            "importance_weight_mean": mean_std(
-                [v for r in rs for v in r["series"]["importance_weight_mean"]]
-            ),
-            "importance_weight_max": max(
-                (v for r in rs for v in r["series"]["importance_weight_max"]), default=float("nan")
-            ),
-        }
-        for (corr,), rs in groups(records, "correction").items()
+        "final_reward": mean_std([r["final_reward"] for r in rs]),
+        "kept_fraction": mean_std([v for r in rs for v in r["series"]["icepop_kept_fraction"]]),
+        "importance_weight_mean": mean_std(
+            [v for r in rs for v in r["series"]["importance_weight_mean"]]
+        ),
+        "importance_weight_max": max(
+            (v for r in rs for v in r["series"]["importance_weight_max"]), default=float("nan")
+        ),
     }
+
+
+def summarize_icepop(records: list[dict]) -> dict[str, Any]:
+    return {corr: mismatch_seen(rs) for (corr,), rs in groups(records, "correction").items()}
 
 
 def plot_icepop(records: list[dict], ax_row: list[Any]) -> None:
@@ -125,17 +129,7 @@ def summarize_mismatch_threshold(records: list[dict]) -> dict[str, Any]:
     kept fraction and the behavior weights π_prox/μ, whatever the correction did with them) and
     the training reward."""
     return {
-        f"noise {noise} / {corr}": {
-            **held_out_summary(rs),
-            "kept_fraction": mean_std([v for r in rs for v in r["series"]["icepop_kept_fraction"]]),
-            "importance_weight_mean": mean_std(
-                [v for r in rs for v in r["series"]["importance_weight_mean"]]
-            ),
-            "importance_weight_max": max(
-                (v for r in rs for v in r["series"]["importance_weight_max"]), default=float("nan")
-            ),
-            "final_reward": mean_std([r["final_reward"] for r in rs]),
-        }
+        f"noise {noise} / {corr}": held_out_summary(rs) | mismatch_seen(rs)
         for (noise, corr), rs in sorted(groups(records, "weight_noise_std", "correction").items())
     }
 
