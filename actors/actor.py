@@ -97,6 +97,23 @@ M_ENV_ERRORS = Counter(
     "Episodes abandoned because the environment raised or returned bad output.",
     ["during"],
 )
+M_ENGINE = {
+    name: Counter(f"asyncppo_actor_engine_{name}_total", doc)
+    for name, doc in (
+        (
+            "steps",
+            "Engine steps that sampled, one token for every turn in progress: "
+            "tokens generated / steps is the batch the engine ran.",
+        ),
+        ("forwards", "Model forwards the engine ran (prefill and decode)."),
+        ("encoded_tokens", "Context tokens the engine ran through the model."),
+        (
+            "reencoded_tokens",
+            "Of those, tokens encoded again because a weight swap dropped "
+            "their keys/values (actor.kv_on_weight_swap: reencode).",
+        ),
+    )
+}
 PERMIT_RETRY_S = 0.5  # while episodes or sessions are in flight, ask for permits at most this often
 IDLE_S = 0.05  # with nothing to play (no weights yet, a version to fetch): look again after this
 
@@ -151,6 +168,7 @@ class Actor:
         self.refused = -1  # the newest version the engine refused: not fetched again
         self._held_since: float | None = None  # since when rollouts wait for a version
         self._next_permits = 0.0  # after a WAIT while busy: when to ask again
+        self._engine_counted: dict[str, int] = {}  # engine counters already in M_ENGINE
         log.info(
             "actor starting",
             actor_id=self.id,
@@ -296,6 +314,7 @@ class Actor:
             "generating" if len(self.driver) else "serving" if self.server else "permits"
         )
         self.absorb(self.driver.step())
+        self._count_engine()
         M_INFLIGHT.set(len(self.driver))
         M_KV_BYTES.set(self.engine.kv_cache_bytes())
 
@@ -318,6 +337,13 @@ class Actor:
             M_ENV_ERRORS.labels(during=during).inc()
         if outcome.released:
             self.link.hello()
+
+    def _count_engine(self) -> None:
+        """Advance the engine counters to what the engine has run so far."""
+        for name, counter in M_ENGINE.items():
+            ran = getattr(self.engine, name)
+            counter.inc(ran - self._engine_counted.get(name, 0))
+            self._engine_counted[name] = ran
 
     def _idle_reason(self) -> str:
         if self.refused_latest():

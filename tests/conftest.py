@@ -141,10 +141,12 @@ LIBRARY_PROBES = {"numactl", "gcc", "cc", "git", "lscpu", "ldconfig", "uname"}
 
 @pytest.fixture(autouse=True)
 def _a_test_that_starts_processes_is_marked_system(request, monkeypatch):
-    """`-m "not system"` must be the in-process suite: a test (or a fixture of its own) that
-    starts a process without the `system` marker fails and says so. Processes started by a
-    module- or session-scoped fixture are not seen here; such modules carry the marker."""
-    if request.node.get_closest_marker("system") is not None:
+    """`-m "not slow and not system"` (`make test-unit`) must be the in-process suite: a test
+    it selects (or a fixture of its own) that starts a process fails and says so. Slow tests
+    (experiments, soak, the demo) all start processes and are never in that suite. Processes
+    started by a module- or session-scoped fixture are not seen here; such modules carry the
+    marker."""
+    if any(request.node.get_closest_marker(m) is not None for m in ("system", "slow")):
         yield
         return
     started: list[str] = []

@@ -13,6 +13,7 @@ from datetime import datetime
 
 import pytest
 from conftest import free_port, smoke_args
+from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.launcher import STOP_TIMEOUT_S
 
@@ -64,7 +65,14 @@ def test_smoke_run_trains_and_every_actor_gets_new_weights(tmp_path, tiny_model,
     assert set(cpu) == {"broker", "learner", "actors"}, cpu
     assert all(0 < seconds <= s["wall_seconds"] * os.cpu_count() for seconds in cpu.values()), cpu
     assert "asyncppo_broker_trajectories_accepted_total" in scraped["broker"]
-    assert "asyncppo_actor_tokens_generated_total" in scraped["actor"]
+    actor = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(scraped["actor"])
+        for sample in family.samples
+    }
+    # what the engine ran: every step sampled at least one token (counted before the step)
+    engine_steps = actor["asyncppo_actor_engine_steps_total"]
+    assert 0 < engine_steps <= actor["asyncppo_actor_tokens_generated_total"], actor
     assert "asyncppo_learner_policy_version" in scraped["learner"]
     steps = [
         json.loads(line)

@@ -294,6 +294,10 @@ def test_mid_turn_swap_tags_tokens_with_the_version_that_sampled_them(
         if step == SWAP_AFTER:
             engine.load_weights(1, state_dict_for_export(new_model))
         done.update(engine.step())
+    assert engine.steps == 20
+    # reencode runs again what each row had cached at the swap: its prompt and the tokens fed
+    cached_at_swap = sum(len(prompt) + SWAP_AFTER - 1 for prompt in PROMPTS)
+    assert engine.reencoded_tokens == (cached_at_swap if on_swap == "reencode" else 0)
     for row, prompt in enumerate(PROMPTS):
         gen = done[row]
         assert gen.versions == [0] * SWAP_AFTER + [1] * (20 - SWAP_AFTER)

@@ -89,6 +89,11 @@ class Engine(ABC):
 
     version: int
     vocab_size: int
+    # What the engine ran, for the actor's metrics (engines that do not count leave them at 0):
+    steps: int = 0  # steps that sampled (one token for every turn in progress)
+    forwards: int = 0  # model forwards
+    encoded_tokens: int = 0  # context tokens run through the model
+    reencoded_tokens: int = 0  # of those, tokens encoded again because a weight swap dropped them
 
     @abstractmethod
     def submit(self, key: Hashable, context: list[int], params: SamplingParams) -> None:

@@ -114,6 +114,7 @@ class _Row:
     slot: int
     tokens: list[int]  # the context, then the tokens sampled in the current turn
     cached: int = 0  # tokens[:cached] have keys/values in the slot's first columns
+    dropped: int = 0  # tokens[:dropped] had keys/values that a weight swap dropped
     params: SamplingParams | None = None  # the current turn's; None while the row is idle
     gen: Generation | None = None
     generator: torch.Generator | None = None
@@ -197,6 +198,8 @@ class TorchEngine(Engine):
         self.by_key: dict[Hashable, _Row] = {}
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, see _SlotLayer
         self.encoded_tokens = 0  # context tokens run through the model (prefill and decode)
+        self.reencoded_tokens = 0  # of those, tokens encoded again after a swap dropped them
+        self.forwards = self.steps = 0
 
     # ------------------------------------------------------------ the interface
     def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -220,7 +223,7 @@ class TorchEngine(Engine):
         self.version = version
         if self.on_swap == "reencode":
             for row in self.by_key.values():
-                row.cached = 0
+                row.dropped, row.cached = max(row.dropped, row.cached), 0
 
     def submit(self, key: Hashable, context: list[int], params: SamplingParams) -> None:
         """Start a turn; the key's cache is reused for the prefix `context` shares with it."""
@@ -242,6 +245,8 @@ class TorchEngine(Engine):
             known = row.cached
             if context[:known] != row.tokens[:known]:  # compaction, a rewritten history
                 known = common_prefix(context, row.tokens[:known])
+            if context[: row.dropped] != row.tokens[: row.dropped]:
+                row.dropped = common_prefix(context, row.tokens[: row.dropped])
             known = min(known, len(context) - 1)  # the last token is fed to sample the next
         check_tokens(context[known:], self.vocab_size, "context")  # the rest was checked before
         if row is None:
@@ -271,6 +276,7 @@ class TorchEngine(Engine):
         if not active:
             return []
         self._reserve(len(self.slots), max(len(row.tokens) for row in active) + 1)
+        self.steps += 1
         self._prefill([row for row in active if len(row.tokens) - row.cached > 1])
         logits = self._decode(active)
         return self._sample(active, logits)
@@ -337,6 +343,7 @@ class TorchEngine(Engine):
             use_cache=True,
             logits_to_keep=1,
         )
+        self.forwards += 1
         self.encoded_tokens += int(valid.sum())
         return out.logits[:, -1]
 
@@ -355,7 +362,7 @@ class TorchEngine(Engine):
             cached = torch.tensor([row.cached for row in members])
             self._forward(input_ids, cached, valid, [row.slot for row in members])
             for row, tokens in zip(members, new, strict=True):
-                row.cached += len(tokens)
+                self._encoded(row, len(tokens))
 
     def _decode(self, active: list[_Row]) -> torch.Tensor:
         """Feed every active row its last token (free and idle slots a pad that writes to
@@ -372,8 +379,15 @@ class TorchEngine(Engine):
         valid[index] = True
         logits = self._forward(input_ids, cached, valid, list(range(slots)))
         for row in active:
-            row.cached += 1
+            self._encoded(row, 1)
         return logits[index.to(self.device)]
+
+    def _encoded(self, row: _Row, n: int) -> None:
+        """`n` more of the row's tokens are cached; count those a weight swap had dropped."""
+        self.reencoded_tokens += max(0, min(row.dropped, row.cached + n) - row.cached)
+        row.cached += n
+        if row.cached >= row.dropped:
+            row.dropped = 0
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> list[tuple[Hashable, Generation]]:
         """One token per active row under its own temperature, top-p and random stream."""
