@@ -8,7 +8,7 @@ held-out scoring of its checkpoints (``asyncppo eval --checkpoint``, 96 instance
 ~5 min a seed on 2 cores:
 
     python -m bench.critic_probe separate-g1-init --seeds 1 \
-        --set learner.critic_lam=0.95 --out docs/results/critic_probe_lam0.95.json
+        --set learner.critic.lam=0.95 --out docs/results/critic_probe_lam0.95.json
 
 A probe's clip schedule runs over its own steps (faster than in a 120-step run), so its figures
 are close to, not the same as, the full experiment's at the same step.

@@ -78,8 +78,10 @@ class PlainEngine:
     DeepSpeed engine: accumulate ``backward`` calls, then clip, step AdamW and zero the grads."""
 
     def __init__(self, module: torch.nn.Module, lr: float, lc: LearnerConfig):
-        self.module, self.grad_clip = module, lc.grad_clip
-        self.opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=lc.weight_decay)
+        self.module, self.grad_clip = module, lc.optimizer.grad_clip
+        self.opt = torch.optim.AdamW(
+            module.parameters(), lr=lr, weight_decay=lc.optimizer.weight_decay
+        )
         self.norm = 0.0
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:

@@ -114,7 +114,7 @@ def bench_learner(cfg: Config, segments: list[Segment], steps: int) -> dict:
         learner.close()
     all_tokens = sum(s.num_tokens for s in segments)
     row = {
-        "critic": cfg.learner.critic,
+        "critic": cfg.learner.critic.kind,
         "zero_stage": cfg.learner.zero_stage,
         "ranks": 1,
         "episodes": len(segments),
@@ -218,7 +218,7 @@ def main() -> None:
     segments = play_arith(cfg, cfg.learner.batch_size)
     learner_rows = []
     for critic in ("separate", "shared"):
-        cfg.learner.critic = critic
+        cfg.learner.critic.kind = critic
         learner_rows.append(bench_learner(cfg, segments, steps))
     push_rows = bench_push(cfg, (1, 4))
     write_result(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -230,6 +231,64 @@ class ActorConfig:
 
 
 @dataclass
+class OptimizerConfig:
+    """The policy's AdamW; weight decay, warm-up and clipping apply to the critic's too."""
+
+    lr: float = param(
+        1e-3,
+        "Policy learning rate (AdamW). The default suits the 0.1M-parameter tiny model only; a "
+        "real model wants about 1e-6 to 2e-5 (docs/models.md).",
+    )
+    weight_decay: float = param(0.0, "AdamW weight decay.")
+    warmup_steps: int = param(
+        0,
+        "Optimiser steps over which each model's learning rate rises linearly to its lr (0: none).",
+        minimum=0,
+    )
+    grad_clip: float = param(1.0, "Gradient-norm clipping.")
+
+
+@dataclass
+class CriticConfig:
+    """PPO's value function: which network, how it trains, where it starts."""
+
+    kind: Literal["separate", "shared"] = param(
+        "separate",
+        "separate (own model + scalar head) or shared (value head on the policy trunk).",
+    )
+    lr: float = param(2e-3, "Learning rate (AdamW); the same caveat as learner.optimizer.lr.")
+    lam: float = param(1.0, "GAE lambda of the critic's returns (1 = Monte-Carlo style targets).")
+    value_clip: float = param(0.2, "Value-loss clip range.")
+    value_coef: float = param(0.5, "Weight of the value loss with a shared critic.")
+    updates: int = param(1, "Critic updates per policy update.", minimum=1)
+    replay: int = param(
+        1,
+        "Batches a separate critic's updates draw from: the step's own and the last ones before "
+        "it, newest first, one batch per update (with updates >= this, each is seen). A "
+        "replayed batch keeps its returns and value-clip anchor from its own step.",
+        minimum=1,
+    )
+    warmup_steps: int = param(
+        0,
+        "Steps that train only the critic before policy updates start (with warmup_ev: at most "
+        "this many).",
+    )
+    warmup_ev: float = param(
+        0.0,
+        "Gate the critic's warm-up on its fit: policy updates start once the critic's explained "
+        "variance on fresh batches (each scored before the critic trains on it), averaged over "
+        "the last 5 steps, reaches this, or after warmup_steps (0: a fixed count).",
+        minimum=0,
+        maximum=1,
+    )
+    init: str | None = param(
+        None,
+        "A critic fitted to the starting policy's episodes (`asyncppo critic --out DIR`) that the "
+        "separate critic starts from instead of a zero head (a resumed checkpoint's critic wins).",
+    )
+
+
+@dataclass
 class LoraConfig:
     rank: int = param(
         0,
@@ -277,32 +336,19 @@ class LearnerConfig:
         1, "Publish a new policy version every this many learner steps.", minimum=1
     )
     total_steps: int = param(20, "Learner steps to train; 0 means run until stopped.")
-    lr: float = param(
-        1e-3,
-        "Policy learning rate (AdamW). The default suits the 0.1M-parameter tiny model only; a "
-        "real model wants about 1e-6 to 2e-5 (docs/models.md).",
-    )
-    critic_lr: float = param(2e-3, "Critic learning rate (AdamW); the same caveat as lr.")
-    weight_decay: float = param(0.0, "AdamW weight decay.")
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     ppo_epochs: int = param(1, "Passes over each batch.", minimum=1)
     advantage_norm: Literal["none", "centre", "whiten"] = param(
         "none",
         "Policy advantages normalised over the global batch's action tokens: none, centre "
         "(subtract the mean) or whiten (also divide by the standard deviation). GRPO too.",
     )
-    lr_warmup_steps: int = param(
-        0,
-        "Optimiser steps over which each model's learning rate rises linearly to its lr (0: none).",
-        minimum=0,
-    )
     micro_batch_tokens: int = param(
         4096, "Tokens per micro-batch (gradient accumulation splits larger batches).", minimum=1
     )
     gamma: float = param(1.0, "Discount factor.")
     lam: float = param(0.95, "GAE lambda of the policy advantages.")
-    critic_lam: float = param(
-        1.0, "GAE lambda of the critic's returns (1 = Monte-Carlo style targets)."
-    )
     adaptive_lambda_alpha: float = param(
         0.0,
         "If > 0, the policy lambda = 1 - 1/(alpha*L) per segment of L action tokens "
@@ -346,38 +392,6 @@ class LearnerConfig:
         0.05,
         "PPO clip epsilon at total_steps (linear from clip_start); unused when total_steps is 0.",
     )
-    value_clip: float = param(0.2, "Value-loss clip range.")
-    critic: Literal["separate", "shared"] = param(
-        "separate",
-        "Critic: separate (own model + scalar head) or shared (value head on the policy trunk).",
-    )
-    critic_warmup_steps: int = param(
-        0,
-        "Steps that train only the critic before policy updates start (with critic_warmup_ev: "
-        "at most this many).",
-    )
-    critic_warmup_ev: float = param(
-        0.0,
-        "Gate the critic's warm-up on its fit: policy updates start once the critic's explained "
-        "variance on fresh batches (each scored before the critic trains on it), averaged over "
-        "the last 5 steps, reaches this, or after critic_warmup_steps (0: a fixed count).",
-        minimum=0,
-        maximum=1,
-    )
-    critic_init: str | None = param(
-        None,
-        "A critic fitted to the starting policy's episodes (`asyncppo critic --out DIR`) that the "
-        "separate critic starts from instead of a zero head (a resumed checkpoint's critic wins).",
-    )
-    critic_updates: int = param(1, "Critic updates per policy update.", minimum=1)
-    critic_replay: int = param(
-        1,
-        "Batches a separate critic's updates draw from: the step's own and the last ones before "
-        "it, newest first, one batch per update (with critic_updates >= this, each is seen). A "
-        "replayed batch keeps its returns and value-clip anchor from its own step.",
-        minimum=1,
-    )
-    value_coef: float = param(0.5, "Weight of the value loss with a shared critic.")
     kl_coef: float = param(0.0, "KL penalty to the frozen initial policy (0 = off, the default).")
     entropy_coef: float = param(
         0.0,
@@ -386,7 +400,6 @@ class LearnerConfig:
         minimum=0,
     )
     zero_stage: int = param(1, "DeepSpeed ZeRO stage 0-3.", minimum=0, maximum=3)
-    grad_clip: float = param(1.0, "Gradient-norm clipping.")
     checkpoint_dir: str | None = param(None, "Where checkpoints go; default <run dir>/checkpoints.")
     checkpoint_every: int = param(
         0, "Checkpoint every k steps (0: only at the end and on SIGTERM)."
@@ -523,6 +536,33 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
     )
 
 
+# Keys that moved, and where to (the learner's critic and optimizer groups, 2026-12): the old
+# spelling is still read, with a warning that names the new one.
+RENAMED = {
+    "learner.lr": "learner.optimizer.lr",
+    "learner.weight_decay": "learner.optimizer.weight_decay",
+    "learner.lr_warmup_steps": "learner.optimizer.warmup_steps",
+    "learner.grad_clip": "learner.optimizer.grad_clip",
+    "learner.critic": "learner.critic.kind",  # the old key held the kind: separate or shared
+    "learner.critic_lr": "learner.critic.lr",
+    "learner.critic_lam": "learner.critic.lam",
+    "learner.value_clip": "learner.critic.value_clip",
+    "learner.value_coef": "learner.critic.value_coef",
+    "learner.critic_updates": "learner.critic.updates",
+    "learner.critic_replay": "learner.critic.replay",
+    "learner.critic_warmup_steps": "learner.critic.warmup_steps",
+    "learner.critic_warmup_ev": "learner.critic.warmup_ev",
+    "learner.critic_init": "learner.critic.init",
+}
+
+
+def current_key(key: str, value: Any = None) -> str:
+    """The spelling of ``key`` today (``value``: what it is set to, for ``learner.critic``,
+    which names both the old key and the new group)."""
+    new = RENAMED.get(key)
+    return new if new is not None and not isinstance(value, dict) else key
+
+
 def _merge(obj: Any, data: dict, prefix: str, source: str) -> None:
     hints = typing.get_type_hints(type(obj))
     known = {f.name: f for f in dataclasses.fields(obj)}
@@ -532,6 +572,18 @@ def _merge(obj: Any, data: dict, prefix: str, source: str) -> None:
         )
     for name, value in data.items():
         key = f"{prefix}{name}"
+        if current_key(key, value) != key:
+            new = current_key(key, value)
+            warnings.warn(
+                f"config key '{key}' ({source}) is now '{new}'; the old spelling is still read",
+                FutureWarning,
+                stacklevel=2,
+            )
+            nested = value
+            for part in reversed(new.removeprefix(prefix).split(".")):
+                nested = {part: nested}
+            _merge(obj, nested, prefix, source)
+            continue
         if name not in known:
             raise ConfigError(
                 f"unknown config key '{key}' ({source}); known keys here: {', '.join(sorted(known))}"
@@ -576,24 +628,25 @@ def _check_learner(lc: LearnerConfig) -> None:
             "config keys 'learner.icepop_low'/'learner.icepop_high' need 0 < low <= 1 <= high, "
             f"got [{lc.icepop_low}, {lc.icepop_high}]"
         )
-    if lc.critic_warmup_ev > 0 and (lc.critic_warmup_steps < 1 or lc.algorithm != "ppo"):
+    critic = lc.critic
+    if critic.warmup_ev > 0 and (critic.warmup_steps < 1 or lc.algorithm != "ppo"):
         raise ConfigError(
-            "config key 'learner.critic_warmup_ev' needs learner.algorithm=ppo (a critic) and "
-            "learner.critic_warmup_steps >= 1 (the longest the policy waits), got "
-            f"algorithm={lc.algorithm!r}, critic_warmup_steps={lc.critic_warmup_steps}"
+            "config key 'learner.critic.warmup_ev' needs learner.algorithm=ppo (a critic) and "
+            "learner.critic.warmup_steps >= 1 (the longest the policy waits), got "
+            f"algorithm={lc.algorithm!r}, warmup_steps={critic.warmup_steps}"
         )
     if lc.proximal == "behavior" and lc.correction != "none":
         raise ConfigError(
             "config key 'learner.proximal' behavior (naive PPO: mu is pi_old, so w = pi_old/mu = 1) "
             f"needs learner.correction=none, got correction={lc.correction!r}"
         )
-    own_critic = {"critic_init": lc.critic_init is not None, "critic_replay": lc.critic_replay > 1}
+    own_critic = {"init": critic.init is not None, "replay": critic.replay > 1}
     for key in (k for k, used in own_critic.items() if used):
-        if lc.algorithm != "ppo" or lc.critic != "separate":
+        if lc.algorithm != "ppo" or critic.kind != "separate":
             raise ConfigError(
-                f"config key 'learner.{key}' needs learner.algorithm=ppo and "
-                f"learner.critic=separate (a critic of its own), got algorithm={lc.algorithm!r}, "
-                f"critic={lc.critic!r}"
+                f"config key 'learner.critic.{key}' needs learner.algorithm=ppo and "
+                "learner.critic.kind=separate (a critic of its own), got "
+                f"algorithm={lc.algorithm!r}, kind={critic.kind!r}"
             )
     targets = lc.lora.target_modules
     if not targets or not all(isinstance(t, str) and t for t in targets):

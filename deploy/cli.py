@@ -34,7 +34,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override one config key, e.g. --set learner.lr=1e-4 (repeatable)",
+        help="override one config key, e.g. --set learner.optimizer.lr=1e-4 (repeatable)",
     )
     p.add_argument(
         "--metrics-port",
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(
         cr := sub.add_parser(
             "critic",
-            help="fit a separate critic to model.path's own episodes (for learner.critic_init)",
+            help="fit a separate critic to model.path's own episodes (for learner.critic.init)",
         )
     )
     cr.add_argument("--out", required=True, help="directory to write the critic to")

@@ -1,4 +1,4 @@
-"""A separate critic pre-trained on the starting policy's own episodes, for ``learner.critic_init``.
+"""A separate critic pre-trained on the starting policy's own episodes, for ``learner.critic.init``.
 
 Why: a critic that starts with a zero head explains almost none of a long-horizon return for the
 first ~30 steps of RL (docs/results/critic.json), so every GAE advantage and every compaction cut

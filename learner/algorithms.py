@@ -64,7 +64,7 @@ def gae_targets(
             next_value,
             gamma=lc.gamma,
             lam=lc.lam,
-            critic_lam=lc.critic_lam,
+            critic_lam=lc.critic.lam,
             adaptive_alpha=lc.adaptive_lambda_alpha or None,
             max_segment_steps=lc.max_segment_steps,
             unit=lc.gae_unit,

@@ -79,7 +79,7 @@ class ValueHead(nn.Module):
 
 
 class Critic(nn.Module):
-    """``critic: separate``: its own transformer trunk + head, initialised from the policy
+    """``critic.kind: separate``: its own transformer trunk + head, initialised from the policy
     checkpoint (zero head) or, with ``init``, from a fitted critic (``save_critic``: trunk and
     head, e.g. ``asyncppo critic``)."""
 
@@ -112,9 +112,9 @@ def save_critic(critic: Critic, out: str | Path) -> None:
 
 
 def _check_critic_init(init: str, policy_path: str) -> None:
-    """``learner.critic_init`` must be a saved critic of the policy's architecture: the critic
+    """``learner.critic.init`` must be a saved critic of the policy's architecture: the critic
     reads the policy's tokens, so a mismatch is an error here, not wrong values later."""
-    where = f"learner.critic_init {init!r}"
+    where = f"learner.critic.init {init!r}"
     lacking = [f for f in ("config.json", VALUE_HEAD) if not (Path(init) / f).is_file()]
     if lacking:
         raise ConfigError(
@@ -133,7 +133,7 @@ def _check_critic_init(init: str, policy_path: str) -> None:
 
 
 class PolicyWithValue(nn.Module):
-    """``critic: shared``: a value head on the policy's last hidden state (lighter, one model)."""
+    """``critic.kind: shared``: a value head on the policy's last hidden state (lighter, one model)."""
 
     def __init__(self, path: str, dtype: torch.dtype, lora: LoraConfig = FULL):
         super().__init__()
@@ -150,7 +150,7 @@ class PolicyWithValue(nn.Module):
 
 
 class Policy(nn.Module):
-    """``critic: separate`` or GRPO: the causal LM alone, returning logits."""
+    """``critic.kind: separate`` or GRPO: the causal LM alone, returning logits."""
 
     def __init__(self, path: str, dtype: torch.dtype, lora: LoraConfig = FULL):
         super().__init__()

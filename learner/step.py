@@ -75,7 +75,7 @@ class Models:
 
 Reduce = Callable[[list[float], str], list[float]]
 LOSS_TERMS = ("policy_loss", "value_loss", "clip_fraction", "approx_kl")
-# Batches whose mean explained variance gates the critic's warm-up (learner.critic_warmup_ev):
+# Batches whose mean explained variance gates the critic's warm-up (learner.critic.warmup_ev):
 # one batch of 32 episodes is too noisy a measure (measured on the chain: -0.15 to 0.6 between
 # consecutive steps of one run).
 EV_WINDOW = 5
@@ -125,10 +125,10 @@ class TrainStep:
         self.reduce, self.beat = reduce, beat
         # The critic's warm-up (``_policy_starts``): whether policy updates have started (a
         # checkpoint keeps it), and the critic's explained variance on the last fresh batches.
-        self.policy_started = lc.critic_warmup_steps == 0
+        self.policy_started = lc.critic.warmup_steps == 0
         self.recent_ev: deque[float] = deque(maxlen=EV_WINDOW)
-        # The batches a separate critic's updates draw from (learner.critic_replay), newest last.
-        self.critic_window: deque[Step] = deque(maxlen=lc.critic_replay)
+        # The batches a separate critic's updates draw from (learner.critic.replay), newest last.
+        self.critic_window: deque[Step] = deque(maxlen=lc.critic.replay)
 
     def __call__(
         self, batch: Batch, episodes: list[list[Segment]], index: int
@@ -170,23 +170,23 @@ class TrainStep:
         }, n_tokens
 
     def _policy_starts(self, step: Step, index: int) -> bool:
-        """Whether the critic's warm-up is over: after ``critic_warmup_steps`` steps, or, with
-        ``critic_warmup_ev``, as soon as the critic's explained variance on the last
+        """Whether the critic's warm-up is over: after ``critic.warmup_steps`` steps, or, with
+        ``critic.warmup_ev``, as soon as the critic's explained variance on the last
         ``EV_WINDOW`` batches reaches it. Each batch is new to the critic when it is scored here
         (before its update), so this is its fit on unseen episodes, not on what it trained on."""
-        if not self.policy_started and self.lc.critic_warmup_ev > 0:
+        if not self.policy_started and self.lc.critic.warmup_ev > 0:
             mask = step.batch.action_mask
             sums = value_sums(step.targets.returns[mask], step.scores.values[mask])
             self.recent_ev.append(explained_variance(self.reduce(sums, "sum")))
             self.policy_started = (
                 len(self.recent_ev) == EV_WINDOW
-                and sum(self.recent_ev) / EV_WINDOW >= self.lc.critic_warmup_ev
+                and sum(self.recent_ev) / EV_WINDOW >= self.lc.critic.warmup_ev
             )
             if self.policy_started:
                 log.info(
                     "critic warmed up: policy updates start", step=index, ev=list(self.recent_ev)
                 )
-        if not self.policy_started and index >= self.lc.critic_warmup_steps:
+        if not self.policy_started and index >= self.lc.critic.warmup_steps:
             self.policy_started = True
         return self.policy_started
 
@@ -253,7 +253,7 @@ class TrainStep:
         warm-up); the loss terms' means over the epochs and the policy's last gradient norm.
 
         Update j of the critic trains on the j-th newest batch of its window (this step's first,
-        cycling): with ``critic_replay`` > 1 it fits the last few policies' episodes, not only
+        cycling): with ``critic.replay`` > 1 it fits the last few policies' episodes, not only
         one noisy batch of returns, for the same compute."""
         lc, m = self.lc, self.models
         sums = dict.fromkeys(LOSS_TERMS, 0.0)
@@ -262,10 +262,10 @@ class TrainStep:
             self.critic_window.append(step)
         for _ in range(lc.ppo_epochs):
             if m.critic is not None:
-                for j in range(lc.critic_updates):
+                for j in range(lc.critic.updates):
                     seen = self.critic_window[-1 - j % len(self.critic_window)]
                     terms, _ = self._micro_steps(m.critic, seen, self._critic_loss)
-                    sums["value_loss"] += terms.get("value_loss", 0.0) / lc.critic_updates
+                    sums["value_loss"] += terms.get("value_loss", 0.0) / lc.critic.updates
             if train_policy or m.shared:  # a shared trunk still learns the value loss
                 terms, grad_norm = self._micro_steps(
                     m.policy, step, lambda s, rows: self._policy_loss(s, rows, train_policy)
@@ -364,11 +364,11 @@ class TrainStep:
                 take(step.scores.values),
                 take(step.targets.returns),
                 mask,
-                clip=lc.value_clip,
+                clip=lc.critic.value_clip,
                 denominator=step.denominator,
             )
             terms["value_loss"] = float(vl.detach())
-            loss = (loss if train_policy else loss * 0) + lc.value_coef * vl
+            loss = (loss if train_policy else loss * 0) + lc.critic.value_coef * vl
         return loss, terms
 
     def _critic_loss(self, step: Step, rows: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -380,7 +380,7 @@ class TrainStep:
             take(step.scores.values),
             take(step.targets.returns),
             take(b.action_mask),
-            clip=self.lc.value_clip,
+            clip=self.lc.critic.value_clip,
             denominator=step.denominator,
         )
         return vl, {"value_loss": float(vl.detach())}
@@ -442,15 +442,15 @@ def build_models(
     engine: Callable[[torch.nn.Module, float], Engine],
 ) -> Models:
     """The models ``lc`` asks for, each trainable one wrapped by ``engine(module, lr)``: the
-    policy (with a value head under ``critic: shared``), a separate critic under PPO with
-    ``critic: separate``, a frozen reference policy when ``kl_coef > 0``. Under ``lc.lora`` every
+    policy (with a value head under ``critic.kind: shared``), a separate critic under PPO with
+    ``critic.kind: separate``, a frozen reference policy when ``kl_coef > 0``. Under ``lc.lora`` every
     trunk (the policy's, a separate critic's) trains adapters; value heads train fully."""
-    shared = lc.algorithm == "ppo" and lc.critic == "shared"
+    shared = lc.algorithm == "ppo" and lc.critic.kind == "shared"
     policy = (PolicyWithValue if shared else Policy)(path, dtype, lc.lora)
     return Models(
-        policy=engine(policy, lc.lr),
+        policy=engine(policy, lc.optimizer.lr),
         critic=(
-            engine(Critic(path, dtype, lc.lora, lc.critic_init), lc.critic_lr)
+            engine(Critic(path, dtype, lc.lora, lc.critic.init), lc.critic.lr)
             if lc.algorithm == "ppo" and not shared
             else None
         ),

@@ -123,7 +123,7 @@ def deepspeed_engine(
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": lc.grad_clip,
+        "gradient_clipping": lc.optimizer.grad_clip,
         "zero_optimization": {"stage": lc.zero_stage},
         "bf16": {"enabled": dtype == torch.bfloat16},
         "zero_allow_untested_optimizer": True,
@@ -132,7 +132,7 @@ def deepspeed_engine(
 
     def engine(module: torch.nn.Module, lr: float) -> Any:
         trainable = [p for p in module.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=lc.weight_decay)
+        opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=lc.optimizer.weight_decay)
         return deepspeed.initialize(
             model=module, optimizer=opt, lr_scheduler=scheduler, config=ds_config
         )[0]
@@ -183,7 +183,7 @@ class Learner:
             rank=self.rank,
             world=self.world,
             algorithm=self.lc.algorithm,
-            critic=self.lc.critic if self.critic is not None or models.shared else None,
+            critic=self.lc.critic.kind if self.critic is not None or models.shared else None,
             zero_stage=self.lc.zero_stage,
             lora_rank=self.lc.lora.rank,
             broker=self.lc.broker,
@@ -192,9 +192,9 @@ class Learner:
 
     # ------------------------------------------------------------ the model
     def _warmup(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        """Linear learning-rate warm-up over the first ``lr_warmup_steps`` optimiser steps (lr/k,
+        """Linear learning-rate warm-up over the first ``optimizer.warmup_steps`` optimiser steps (lr/k,
         2·lr/k, …, lr); DeepSpeed steps it after every optimiser step and checkpoints it."""
-        k = self.lc.lr_warmup_steps
+        k = self.lc.optimizer.warmup_steps
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / max(k, 1)))
 
     def _policy_module(self) -> torch.nn.Module:

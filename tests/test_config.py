@@ -15,17 +15,36 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_defaults_yaml_and_overrides_merge(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("learner:\n  lr: 1e-4\n  batch_size: 4\nactor:\n  env: maze\n")
+    path.write_text("learner:\n  optimizer: {lr: 1e-4}\n  batch_size: 4\nactor:\n  env: maze\n")
     cfg = load_config(
         path,
         ["learner.batch_size=8", "broker.spool_dir=/tmp/x", "actor.env_kwargs={max_turns: 10}"],
     )
     assert (
-        cfg.learner.lr == 1e-4
+        cfg.learner.optimizer.lr == 1e-4
     )  # YAML 1.1 reads 1e-4 as a string; a float field takes it as a number
     assert cfg.learner.batch_size == 8 and cfg.actor.env == "maze"
     assert cfg.broker.spool_dir == "/tmp/x" and cfg.actor.env_kwargs == {"max_turns": 10}
     assert cfg.learner.gamma == 1.0  # untouched default
+
+
+def test_a_renamed_key_is_still_read_and_named_anew(tmp_path):
+    """The flat critic and optimizer keys before the groups: YAML and --set both reach the new
+    place, with a warning that names it; `learner.critic` as a value is the critic's kind."""
+    path = tmp_path / "old.yaml"
+    path.write_text("learner:\n  lr: 1e-4\n  critic_lr: 5e-4\n  critic: shared\n")
+    with pytest.warns(FutureWarning) as warned:
+        cfg = load_config(path, ["learner.lr_warmup_steps=3", "learner.value_coef=0.25"])
+    said = [str(w.message) for w in warned]
+    assert len(said) == 5, said
+    assert any("'learner.critic_lr' (" in m and "is now 'learner.critic.lr'" in m for m in said)
+    learner = cfg.learner
+    assert learner.optimizer.lr == 1e-4 and learner.critic.lr == 5e-4
+    assert learner.critic.kind == "shared" and learner.critic.value_coef == 0.25
+    assert learner.optimizer.warmup_steps == 3
+    # an old spelling is checked like the new one: the error names the new key, the source as written
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="'learner.critic.kind'"):
+        load_config(None, ["learner.critic=both"])
 
 
 @pytest.mark.parametrize(
@@ -34,8 +53,8 @@ def test_defaults_yaml_and_overrides_merge(tmp_path):
         ("learner.lrr=1", "unknown config key 'learner.lrr'"),
         ("nosection.x=1", "unknown config key 'nosection'"),
         (
-            "learner.lr=fast",
-            "config key 'learner.lr' (--set learner.lr=fast): expected float, got str 'fast'",
+            "learner.optimizer.lr=fast",
+            "config key 'learner.optimizer.lr' (--set learner.optimizer.lr=fast): expected float, got str 'fast'",
         ),
         ("learner.batch_size=2.5", "expected int, got float 2.5"),
         ("learner.batch_size=true", "expected int, got bool True"),
@@ -48,8 +67,8 @@ def test_defaults_yaml_and_overrides_merge(tmp_path):
         ("broker.max_staleness=-1", "'broker.max_staleness' must be >= 0"),
         ("learner.icepop_low=2", "need 0 < low <= 1 <= high"),
         ("learner.zero_stage=4", "must be 0-3"),
-        ("learner.critic_warmup_ev=0.3", "'learner.critic_warmup_ev' needs learner.algorithm=ppo"),
-        ("learner.critic_warmup_ev=1.5", "'learner.critic_warmup_ev'"),
+        ("learner.critic.warmup_ev=0.3", "'learner.critic.warmup_ev' needs learner.algorithm=ppo"),
+        ("learner.critic.warmup_ev=1.5", "'learner.critic.warmup_ev'"),
         ("learner=3", "config section 'learner.' "),
         ("novalue", "expected KEY=VALUE"),
     ],
@@ -142,7 +161,7 @@ def test_every_choice_is_declared_once_and_implemented(key, registry):
 
 
 def test_off_is_zero_for_a_number_and_null_for_a_path():
-    cfg = load_config(None, ["learner.adaptive_lambda_alpha=0", "learner.critic_init=null"])
-    assert cfg.learner.adaptive_lambda_alpha == 0 and cfg.learner.critic_init is None
+    cfg = load_config(None, ["learner.adaptive_lambda_alpha=0", "learner.critic.init=null"])
+    assert cfg.learner.adaptive_lambda_alpha == 0 and cfg.learner.critic.init is None
     with pytest.raises(ConfigError, match="adaptive_lambda_alpha"):
         load_config(None, ["learner.adaptive_lambda_alpha=null"])

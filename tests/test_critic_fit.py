@@ -1,4 +1,4 @@
-"""`asyncppo critic`: a critic fitted to the starting policy's episodes, and `learner.critic_init`
+"""`asyncppo critic`: a critic fitted to the starting policy's episodes, and `learner.critic.init`
 starting the learner's critic from it."""
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ def test_a_fitted_critic_is_written_reused_and_starts_the_learners_critic(
     batch = Batch.of(fixed_batch())
     fitted = values(Critic(str(tiny_model), torch.float32, init=str(out)), batch)
     fresh = values(Critic(str(tiny_model), torch.float32), batch)
-    assert torch.count_nonzero(fresh) == 0  # a zero head: what critic_init replaces
+    assert torch.count_nonzero(fresh) == 0  # a zero head: what critic.init replaces
     assert torch.count_nonzero(fitted) > 0
-    learner = build_learner(tiny_model, tmp_path / "run", f"learner.critic_init={out}")
+    learner = build_learner(tiny_model, tmp_path / "run", f"learner.critic.init={out}")
     try:
         assert torch.equal(values(learner.critic.module, batch), fitted)
     finally:
@@ -93,21 +93,21 @@ def test_a_fitted_critic_is_written_reused_and_starts_the_learners_critic(
 
 
 def test_a_bad_critic_init_is_named(tmp_path, tiny_model):
-    with pytest.raises(ConfigError, match="learner.critic=separate"):
-        load_config(None, ["learner.critic_init=x", "learner.critic=shared"])
+    with pytest.raises(ConfigError, match="learner.critic.kind=separate"):
+        load_config(None, ["learner.critic.init=x", "learner.critic.kind=shared"])
     with pytest.raises(ConfigError, match="learner.algorithm=ppo"):
-        load_config(None, ["learner.critic_init=x", "learner.algorithm=grpo"])
+        load_config(None, ["learner.critic.init=x", "learner.algorithm=grpo"])
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ConfigError, match=f"learner.critic_init '{empty}': missing config.json"):
-        build_learner(tiny_model, tmp_path / "run", f"learner.critic_init={empty}")
+    with pytest.raises(ConfigError, match=f"learner.critic.init '{empty}': missing config.json"):
+        build_learner(tiny_model, tmp_path / "run", f"learner.critic.init={empty}")
     other = tmp_path / "other"
     shutil.copytree(tiny_model, other)
     (other / VALUE_HEAD).write_bytes(b"")
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "vocab_size": 7}))
     with pytest.raises(ConfigError, match="vocab_size 7 does not match model.path's"):
-        build_learner(tiny_model, tmp_path / "run", f"learner.critic_init={other}")
+        build_learner(tiny_model, tmp_path / "run", f"learner.critic.init={other}")
 
 
 def test_critic_refuses_an_out_dir_holding_something_else(tmp_path, tiny_model, capfd):

@@ -479,9 +479,9 @@ def test_advantage_normalisation_uses_the_action_tokens_only(norm):
 
 
 def test_learning_rate_warms_up_linearly_over_optimiser_steps(new_learner, tiny_model):
-    learner = new_learner("learner.lr_warmup_steps=4", "learner.lr=1e-3")
+    learner = new_learner("learner.optimizer.warmup_steps=4", "learner.optimizer.lr=1e-3")
     assert learner.policy.get_lr()[0] == pytest.approx(0.25e-3)
-    assert learner.critic.get_lr()[0] == pytest.approx(0.25 * learner.lc.critic_lr)
+    assert learner.critic.get_lr()[0] == pytest.approx(0.25 * learner.lc.critic.lr)
     stats = learner.train_step(on_policy(fixed_batch(), tiny_model))
     assert stats["lr"] == pytest.approx(0.5e-3)  # what the next step uses
     for _ in range(3):
@@ -506,7 +506,7 @@ def test_the_step_reports_the_entropy_of_pi_prox_on_action_tokens(new_learner, t
 
 
 def test_shared_critic_trains_the_value_head_on_the_policy_trunk(new_learner, tiny_model):
-    learner = new_learner("learner.critic=shared")
+    learner = new_learner("learner.critic.kind=shared")
     assert learner.critic is None
     before = snapshot(learner)
     stats = learner.train_step(on_policy(fixed_batch(), tiny_model))
@@ -520,7 +520,7 @@ def test_shared_critic_trains_the_value_head_on_the_policy_trunk(new_learner, ti
 
 
 def test_critic_warmup_steps_leave_the_policy_untouched(new_learner, tiny_model):
-    learner = new_learner("learner.critic_warmup_steps=1")
+    learner = new_learner("learner.critic.warmup_steps=1")
     before = snapshot(learner)
     learner.train_step(on_policy(fixed_batch(), tiny_model))
     after = snapshot(learner)
@@ -532,12 +532,12 @@ def test_an_ev_gated_warmup_starts_the_policy_once_the_critic_fits_fresh_batches
 ):
     """The gate reads the explained variance each batch gets before the critic trains on it (the
     step log's): policy updates start at the first step whose last EV_WINDOW values average at
-    least critic_warmup_ev, stay on, and stay on after a resume."""
+    least critic.warmup_ev, stay on, and stay on after a resume."""
     overrides = (
-        "learner.critic_warmup_steps=60",
-        "learner.critic_warmup_ev=0.8",
-        "learner.critic_updates=4",
-        "learner.critic_lr=1e-2",
+        "learner.critic.warmup_steps=60",
+        "learner.critic.warmup_ev=0.8",
+        "learner.critic.updates=4",
+        "learner.critic.lr=1e-2",
     )
     learner = new_learner(*overrides, run_dir=tmp_path / "gated")
     batch = on_policy(fixed_batch(), tiny_model)
@@ -568,7 +568,7 @@ def test_critic_replay_cycles_its_updates_through_the_last_batches(new_learner, 
         (2, [[0, 0, 0], [1, 0, 1], [2, 1, 2]]),
         (1, [[0] * 3, [1] * 3, [2] * 3]),
     ):
-        learner = new_learner("learner.critic_updates=3", f"learner.critic_replay={replay}")
+        learner = new_learner("learner.critic.updates=3", f"learner.critic.replay={replay}")
         fit, seen = learner.steps._critic_loss, []
         learner.steps._critic_loss = lambda step, rows, fit=fit, seen=seen: (
             seen.append(step.batch) or fit(step, rows)
@@ -580,9 +580,9 @@ def test_critic_replay_cycles_its_updates_through_the_last_batches(new_learner, 
 
 
 def test_critic_replay_needs_a_critic_of_its_own():
-    for other in ("learner.critic=shared", "learner.algorithm=grpo"):
-        with pytest.raises(ConfigError, match="learner.critic_replay"):
-            load_config(None, ["learner.critic_replay=2", other])
+    for other in ("learner.critic.kind=shared", "learner.algorithm=grpo"):
+        with pytest.raises(ConfigError, match="learner.critic.replay"):
+            load_config(None, ["learner.critic.replay=2", other])
 
 
 def test_clip_stays_at_clip_start_without_a_horizon():

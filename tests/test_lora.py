@@ -27,7 +27,7 @@ from learner.models import token_logprobs
 from testkit.peers import BrokerProcess
 
 pytestmark = pytest.mark.usefixtures("single_process_group")
-LORA = ("learner.lora.rank=4", "learner.lr=1e-2", "learner.critic_lr=1e-2")
+LORA = ("learner.lora.rank=4", "learner.optimizer.lr=1e-2", "learner.critic.lr=1e-2")
 PROMPTS = [[3, 4, 5, 6, 7], [8, 9, 10]]
 
 
@@ -62,7 +62,7 @@ def stepped(tmp_path_factory, tiny_model):
                 tmp_path_factory.mktemp(f"lora{stage}"),
                 *LORA,
                 f"learner.zero_stage={stage}",
-                f"learner.critic={critic}",
+                f"learner.critic.kind={critic}",
             )
             before = snapshot(learner)
             learner.train_step(batch)
@@ -206,7 +206,7 @@ def test_resume_and_export_adapter_and_merged(tmp_path, tiny_model, stepped):
         learner.run_dir,
         *LORA,
         "learner.zero_stage=2",
-        "learner.critic=separate",
+        "learner.critic.kind=separate",
         resume="require",
     )
     try:

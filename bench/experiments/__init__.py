@@ -99,6 +99,7 @@ from bench.experiments.tasks import (
     WARM_MAZE_MODEL,
 )
 from bench.record import SCRATCH, write_report
+from common.config import current_key
 
 EXPERIMENTS = {
     "long_horizon": Experiment(
@@ -216,8 +217,10 @@ EXPERIMENTS = {
 
 
 def run_key(name: str, seed: int, labels: dict[str, Any], overrides: dict[str, Any]) -> str:
-    """What makes two runs the same run: name, seed, labels and overrides, as JSON."""
-    return json.dumps([name, seed, labels, overrides], sort_keys=True, default=float)
+    """What makes two runs the same run: name, seed, labels and overrides (each key as it is
+    spelled today: a record keeps the spelling it ran with), as JSON."""
+    current = {current_key(key, value): value for key, value in overrides.items()}
+    return json.dumps([name, seed, labels, current], sort_keys=True, default=float)
 
 
 def reusable_records(json_path: Path) -> dict[str, dict[str, Any]]:

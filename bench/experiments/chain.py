@@ -73,33 +73,33 @@ def cut_bootstrap_runs(quick: bool, seeds: int) -> list[Run]:
     ]
 
 
-FAST_CRITIC_G1 = {"actor.group_size": 1, "learner.critic_lr": 3e-3, "learner.critic_updates": 8}
+FAST_CRITIC_G1 = {"actor.group_size": 1, "learner.critic.lr": 3e-3, "learner.critic.updates": 8}
 
 
 CRITICS = {  # label -> (run name prefix, learner overrides); "separate" is long_horizon's PPO
     "separate": ("separate", {}),
-    "shared": ("shared", {"learner.critic": "shared"}),
+    "shared": ("shared", {"learner.critic.kind": "shared"}),
     # 4 updates a step at a higher lr, after 10 steps that train only the critic (the name is the
     # one docs/results/critic.json records)
     "separate, lr 3e-3 x4, 10 critic-only steps": (
         "separate-fast",
         {
-            "learner.critic_lr": 3e-3,
-            "learner.critic_updates": 4,
-            "learner.critic_warmup_steps": 10,
+            "learner.critic.lr": 3e-3,
+            "learner.critic.updates": 4,
+            "learner.critic.warmup_steps": 10,
         },
     ),
     # 32 instances a step instead of 4 x 8 plays (a 30-step probe: the critic generalises from
     # more instances), 8 updates a step, and a warm-up of 20 critic-only steps ...
     "separate, groups of 1, lr 3e-3 x8, 20 critic-only steps": (
         "separate-g1",
-        {**FAST_CRITIC_G1, "learner.critic_warmup_steps": 20},
+        {**FAST_CRITIC_G1, "learner.critic.warmup_steps": 20},
     ),
     # ... or one that ends once the critic's explained variance on fresh batches averages 0.25
     # over 5 steps (at most 30 steps) ...
     "separate, groups of 1, lr 3e-3 x8, critic-only until EV 0.25": (
         "separate-g1-ev",
-        {**FAST_CRITIC_G1, "learner.critic_warmup_steps": 30, "learner.critic_warmup_ev": 0.25},
+        {**FAST_CRITIC_G1, "learner.critic.warmup_steps": 30, "learner.critic.warmup_ev": 0.25},
     ),
     # ... or none: the critic starts fitted to the warm policy's own episodes (`asyncppo critic`,
     # 400 instances x 8 plays: 3,200 episodes, 29k generated tokens, before step 0; a run trains on
@@ -109,8 +109,8 @@ CRITICS = {  # label -> (run name prefix, learner overrides); "separate" is long
         "separate-g1-init",
         {
             **FAST_CRITIC_G1,
-            "learner.critic_lr": 3e-4,
-            "learner.critic_init": WARM_CHAIN_CRITIC,
+            "learner.critic.lr": 3e-4,
+            "learner.critic.init": WARM_CHAIN_CRITIC,
         },
     ),
     # ... fitted to 4x the episodes (12,800: the fit's held-out EV still rose at 3,200), and with
@@ -119,9 +119,9 @@ CRITICS = {  # label -> (run name prefix, learner overrides); "separate" is long
         "separate-g1-init12k-replay8",
         {
             **FAST_CRITIC_G1,
-            "learner.critic_lr": 3e-4,
-            "learner.critic_replay": 8,
-            "learner.critic_init": WARM_CHAIN_CRITIC_12K,
+            "learner.critic.lr": 3e-4,
+            "learner.critic.replay": 8,
+            "learner.critic.init": WARM_CHAIN_CRITIC_12K,
         },
     ),
 }
@@ -149,8 +149,8 @@ def critic_runs(quick: bool, seeds: int) -> list[Run]:
                     "learner.algorithm": "ppo",
                     **extra,
                     **(
-                        {"learner.critic_init": QUICK_CRITIC[0]}
-                        if quick and "learner.critic_init" in extra
+                        {"learner.critic.init": QUICK_CRITIC[0]}
+                        if quick and "learner.critic.init" in extra
                         else {}
                     ),
                 },
@@ -313,7 +313,7 @@ def credit_runs(quick: bool, seeds: int) -> list[Run]:
             **{
                 "actor.env_kwargs": CHAIN_VARIANTS["early"],
                 **pretrained,
-                **({"learner.critic_init": QUICK_CRITIC[0]} if quick else {}),
+                **({"learner.critic.init": QUICK_CRITIC[0]} if quick else {}),
                 "learner.gae_unit": unit,
                 "eval.every_versions": 5 if quick else EVAL_EVERY,
                 "eval.episodes": 48,

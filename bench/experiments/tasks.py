@@ -56,8 +56,8 @@ DIGITS = {
     "actor.env": "digits",
     "actor.permits_per_request": 8,
     "learner.batch_size": 32,
-    "learner.lr": 3e-3,
-    "learner.critic_lr": 3e-3,
+    "learner.optimizer.lr": 3e-3,
+    "learner.critic.lr": 3e-3,
     "learner.ppo_epochs": 2,
 }
 
@@ -75,8 +75,8 @@ def maze(max_turns: int) -> dict[str, Any]:
         "actor.context_budget_tokens": 384,
         "actor.permits_per_request": 4,
         "learner.batch_size": 16,
-        "learner.lr": 3e-3,
-        "learner.critic_lr": 3e-3,
+        "learner.optimizer.lr": 3e-3,
+        "learner.critic.lr": 3e-3,
         "learner.ppo_epochs": 1,
     }
 
@@ -90,8 +90,8 @@ MAZE_LEARNING = {
     "actor.env_kwargs": {"max_turns": 50, "hint_max_turns": 50, "action_tokens": 2},
     "model.path": WARM_MAZE_MODEL,
     "model.builtin": None,
-    "learner.lr": 3e-4,  # 1e-3 drifted the warmed model off the hint within 25 steps
-    "learner.critic_warmup_steps": 2,
+    "learner.optimizer.lr": 3e-4,  # 1e-3 drifted the warmed model off the hint within 25 steps
+    "learner.critic.warmup_steps": 2,
 }
 
 
@@ -111,8 +111,8 @@ CHAIN = {
     "learner.batch_size": 32,
     "model.path": WARM_CHAIN_MODEL,
     "model.builtin": None,
-    "learner.lr": 3e-4,
-    "learner.critic_lr": 1e-3,
+    "learner.optimizer.lr": 3e-4,
+    "learner.critic.lr": 1e-3,
     "learner.advantage_norm": "centre",
     "broker.max_staleness": 1,
 }
