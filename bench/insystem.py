@@ -256,6 +256,17 @@ def rates(before: dict, after: dict) -> dict[str, Any]:
     }
 
 
+def mean_rates(runs: list[dict]) -> dict[str, Any]:
+    """Every number of a tree's runs as the mean over its rounds; the rounds themselves kept."""
+    first = runs[0]
+    mean = {
+        key: sum(run[key] for run in runs) / len(runs)
+        for key, value in first.items()
+        if isinstance(value, int | float) and all(run.get(key) is not None for run in runs)
+    }
+    return {**first, **mean, "rounds": runs}
+
+
 def breakdown(stacks: Path) -> dict[str, float]:
     """Share of actor 0's on-CPU samples per category (py-spy's raw format: a stack, a count)."""
     shares: Counter[str] = Counter()
@@ -306,19 +317,28 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="py-spy actor 0 over the window")
     parser.add_argument("--baseline", help="also run `up` from a worktree of this revision")
     parser.add_argument("--window", type=float, default=90.0)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="runs of each tree, alternating; rates averaged"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     out = args.out or SCRATCH / f"insystem_{args.preset}.json"
     torch.set_num_threads(1)  # as the actors run
     window, warmup = (20.0, 120.0) if args.quick else (args.window, 240.0)
     preset = args.preset
-    systems = {"this tree": in_system(ROOT, preset, "head", window, warmup, args.profile)}
+    trees = {"this tree": ROOT}
     if args.baseline:
-        tree = ROOT / "runs" / "bench" / "insystem" / f"tree-{args.baseline}"
-        if not tree.exists():
-            subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.baseline],
-                           check=True, cwd=ROOT)  # fmt: skip
-        systems[args.baseline] = in_system(tree, preset, args.baseline, window, warmup, False)
+        trees[args.baseline] = ROOT / "runs" / "bench" / "insystem" / f"tree-{args.baseline}"
+        if not trees[args.baseline].exists():
+            subprocess.run(["git", "worktree", "add", "--detach", str(trees[args.baseline]),
+                            args.baseline], check=True, cwd=ROOT)  # fmt: skip
+    rounds: dict[str, list[dict]] = {label: [] for label in trees}
+    for i in range(args.rounds):  # a b, b a, ...: a machine that drifts slows both alike
+        for label, tree in list(trees.items())[:: 1 if i % 2 == 0 else -1]:
+            profile = args.profile and label == "this tree" and i == 0
+            name = "head" if label == "this tree" else label
+            rounds[label].append(in_system(tree, preset, name, window, warmup, profile))
+    systems = {label: mean_rates(runs) for label, runs in rounds.items()}
     batch = max(1, round(systems["this tree"]["batch"] or 1))
     n = 16 if args.quick else 48
     cfg = preset_config(preset)
@@ -350,16 +370,40 @@ def main() -> None:
         for key in ("episodes_per_actor_cpu_s", "tokens_per_actor_cpu_s", "system_episodes_per_s"):
             head[f"{key}_vs_{args.baseline}"] = head[key] / base[key]
             print(f"{key}: this tree / {args.baseline} = x{head[key] / base[key]:.2f}")
-    write_report(
-        out,
-        {
-            "preset": preset,
-            "config": {"file": PRESETS[preset][0], "overrides": PRESETS[preset][1]},
-            "actors": ACTORS,
-            "systems": systems,
-            "alone": engine_alone,
-        },
-    )
+    report = {
+        "preset": preset,
+        "config": {"file": PRESETS[preset][0], "overrides": PRESETS[preset][1]},
+        "actors": ACTORS,
+        "systems": systems,
+        "alone": engine_alone,
+    }
+    write_report(out, report)
+    plot(report, out.with_suffix(".png"))
+
+
+def plot(report: dict, path: Path) -> None:
+    """Tokens per actor CPU-second in the system and alone; where actor 0's CPU went."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems, alone_runs = report["systems"], report["alone"]
+    profile = systems["this tree"].get("actor0_cpu_breakdown")
+    fig, axes = plt.subplots(1, 2 if profile else 1, figsize=(12, 4.2), squeeze=False)
+    labels = [f"up: {label}" for label in systems] + [f"alone, {k}" for k in alone_runs]
+    values = [s["tokens_per_actor_cpu_s"] for s in systems.values()]
+    values += [a["tokens_per_cpu_s"] for a in alone_runs.values()]
+    axes[0][0].barh(labels[::-1], values[::-1])
+    axes[0][0].set(xlabel="generated tokens per actor CPU-second",
+                   title=f"{report['preset']}: in the system against the loop alone")  # fmt: skip
+    if profile:
+        top = dict(list(profile.items())[:10])
+        axes[0][1].barh(list(top)[::-1], [100 * v for v in top.values()][::-1])
+        axes[0][1].set(xlabel="% of actor 0's on-CPU samples (py-spy)", title="where it goes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ N = 1. Needs root (``ip netns``, ``tc``). Writes docs/results/weights.json and w
 (weights_quick.* with --quick).
 
     python -m bench.weights [--quick] [--rate 100mbit] [--out docs/results]
+                            [--actors 16] [--mb 64] [--design chain]   (a subset)
 """
 
 from __future__ import annotations
@@ -288,12 +289,19 @@ def main() -> None:
     parser.add_argument("--rate", default="100mbit", help="every cable's rate, both ways (tc)")
     parser.add_argument("--chunk-kib", type=int, default=CHUNK_KIB, help="chunk size in KiB")
     parser.add_argument("--out", type=Path, default=SCRATCH, help="the report's directory")
+    parser.add_argument("--actors", type=int, nargs="+", help="only these N (1 is always run)")
+    parser.add_argument("--mb", type=int, nargs="+", help="only these version sizes, in MiB")
+    parser.add_argument("--design", choices=("chain", "star"), help="only this design")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench.weights needs root: it builds network namespaces and tc rate limits")
     rate_bps = float(args.rate.removesuffix("mbit")) * 1e6
-    sizes = [16 * MB] if args.quick else [64 * MB, 256 * MB]
-    counts = (1, 4) if args.quick else (1, 2, 4, 8, 16)
+    sizes = (
+        [m * MB for m in args.mb] if args.mb else [16 * MB] if args.quick else [64 * MB, 256 * MB]
+    )
+    counts = (
+        sorted({1, *args.actors}) if args.actors else (1, 4) if args.quick else (1, 2, 4, 8, 16)
+    )
     net = Network(["broker", "learner", *(f"f{i}" for i in range(max(counts)))], args.rate)
     logs = ROOT / "runs" / "bench-weights"
     logs.mkdir(parents=True, exist_ok=True)
@@ -314,7 +322,7 @@ def main() -> None:
     try:
         net.build()
         for nbytes in sizes:
-            for design in ("chain", "star"):
+            for design in [args.design] if args.design else ["chain", "star"]:
                 for n in counts:
                     if design == "star" and nbytes > 64 * MB and n > 4:
                         continue  # N transfers through one link: minutes; the trend is clear
@@ -330,7 +338,8 @@ def main() -> None:
             if (r["design"], r["bytes"], r["actors"]) == (row["design"], row["bytes"], 1)
         )
         row["ratio_to_one_actor"] = row["seconds_all"] / one["seconds_all"]  # fmt: skip
-    stem = "weights_quick" if args.quick else "weights"
+    subset = args.actors or args.mb or args.design
+    stem = "weights_subset" if subset else "weights_quick" if args.quick else "weights"
     write_report(args.out / f"{stem}.json", report)
     plot(report, args.out / f"{stem}.png")
     print(f"wrote {args.out / stem}.json and .png")

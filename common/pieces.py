@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from common.protocol import ProtocolError
@@ -32,6 +33,7 @@ class Pieces:
         self._chunks: list[Any] = list(chunks) if chunks is not None else [None] * len(self.specs)
         self._held = sum(c is not None for c in self._chunks)
         self._changed = threading.Condition()
+        self._listeners: list[Callable[[], None]] = []  # told of every chunk kept
         now = time.monotonic() if self.complete else 0.0
         self.first_at, self.done_at = now, now  # when the first and the last chunk came in
 
@@ -92,6 +94,14 @@ class Pieces:
                 if self.complete:
                     self.done_at = now
                 self._changed.notify_all()
+                listeners = list(self._listeners)
+        for tell in listeners:
+            tell()
+
+    def listen(self, tell: Callable[[], None]) -> None:
+        """Call ``tell()`` (from the putting thread) whenever a chunk is kept."""
+        with self._changed:
+            self._listeners.append(tell)
 
     def get(self, index: int) -> Any | None:
         """Chunk ``index`` if it is held, else None (never waits)."""

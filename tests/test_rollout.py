@@ -181,3 +181,27 @@ def test_the_rollout_benchmark_runs_and_reencode_is_exact(tmp_path: Path, tiny_m
 
 def rows_of(rows: dict, workload: str) -> list[str]:
     return [v for w, v in rows if w == workload and v != "FLOP ceiling"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_in_system_benchmark_measures_the_actors_of_a_real_run(tmp_path: Path) -> None:
+    """`python -m bench.insystem --quick --profile`: a real `asyncppo up`, the actors' counters
+    and CPU over a window, py-spy's split of actor 0's CPU, and the loop alone at the batch the
+    actors ran; the engine did most of what the actor spent its CPU on."""
+    out = tmp_path / "insystem.json"
+    subprocess.run(
+        [sys.executable, "-m", "bench.insystem", "--quick", "--profile", "--out", str(out)],
+        check=True,
+        timeout=840,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    report = json.loads(out.read_text())
+    head = report["systems"]["this tree"]
+    assert head["episodes"] > 0 and 0 < head["actor_cpu_utilisation"] <= 1.05
+    assert head["batch"] >= 1 and head["encoded_per_token"] >= 1
+    assert 0 <= head["reencoded_fraction"] < 1
+    engine = sum(v for k, v in head["actor0_cpu_breakdown"].items() if k.startswith("engine"))
+    assert engine > 0.3, head["actor0_cpu_breakdown"]
+    assert {"inflight 64"} <= set(report["alone"])
+    assert out.with_suffix(".png").stat().st_size > 0
