@@ -104,6 +104,37 @@ def test_final_reward_and_smoothing():
     assert stats.smooth([0, 3, 6, 9], window=2).tolist() == [0, 1.5, 4.5, 7.5]
 
 
+def test_held_out_at_episodes_reads_a_run_at_equal_samples_not_steps():
+    """Version v was trained on episodes[v-1]; a score between two versions is interpolated."""
+    run = {
+        "episodes": [40, 80, 120, 160],  # 40 a step: more than a batch, as at η > 0
+        "held_out_curve": [
+            {"version": 0, "success": 0.2},
+            {"version": 2, "success": 0.4},
+            {"version": 4, "success": 0.8},
+        ],  # fmt: skip
+    }
+    assert stats.held_out_at_episodes(run, 80) == pytest.approx(0.4)
+    assert stats.held_out_at_episodes(run, 100) == pytest.approx(0.5)
+    assert stats.held_out_at_episodes(run, 40) == pytest.approx(0.3)
+
+
+def test_reaching_a_level_and_collapsing_read_the_held_out_curve():
+    run = {
+        "episodes": [32 * i for i in range(1, 41)],
+        "held_out_curve": [
+            {"version": v, "success": s}
+            for v, s in [(0, 0.3), (10, 0.55), (20, 0.82), (30, 0.7), (40, 0.61)]
+        ],  # fmt: skip
+    }
+    assert stats.held_out_reaches(run, 0.8) == 640  # version 20: 20 steps of 32
+    assert stats.held_out_reaches(run, 0.5) == 320
+    assert stats.held_out_reaches(run, 0.9) is None
+    assert stats.collapsed(run)  # 0.82 -> 0.61, not recovered
+    run["held_out_curve"][-1]["success"] = 0.75  # back within 0.2 of its best
+    assert not stats.collapsed(run)
+
+
 def test_reuse_runs_only_what_the_earlier_report_lacks(tmp_path, monkeypatch):
     """--reuse: adding seeds launches only the new seeds; a failed or changed run runs again."""
     overrides = {"x": 1}
@@ -252,6 +283,17 @@ def test_asynchrony_quick(tmp_path):
         rates = arm["dedicated_episodes_per_second"]
         assert 0 < rates["lockstep"] < rates["overlapped"], arm
     assert summary["eta 0 / decoupled + IcePop"]["async_over_sync"]["measured_here"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_long_horizon_curves_quick(tmp_path):
+    report = run_quick("long_horizon_curves", tmp_path)
+    assert all(len(run["held_out_curve"]) >= 2 for run in report["runs"])  # a curve, not a point
+    for algo in ("ppo", "grpo"):
+        arm = report["summary"][f"early/{algo}"]
+        assert arm["seeds"] == 1 and arm["collapses"] in (0, 1)
+        assert set(arm["episodes_to_reach"]) == {"0.6", "0.8"}
 
 
 @pytest.mark.slow

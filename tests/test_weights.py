@@ -5,6 +5,8 @@ broker's memory does not grow with a version's size, and actors play on while th
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -15,6 +17,7 @@ import zmq
 from test_broker import start_broker, wait_until  # noqa: F401  (the fixture)
 
 from actors.actor import Actor
+from bench.weights import PORT, Network, address, last_json
 from common.config import SecurityConfig, load_config
 from common.peers import PeerServer, fetch
 from common.pieces import Pieces
@@ -273,67 +276,87 @@ def test_an_actor_plays_on_while_it_fetches_the_next_version(start_broker, tiny_
     assert not thread.is_alive()
 
 
+class Hosts:
+    """A learner's chunk server and weight fetchers as real processes on hosts of their own
+    (network namespaces, every cable 100 Mbit/s), a real broker on its own host; everything
+    started is SIGKILLed and the namespaces removed on exit."""
+
+    def __init__(self, tmp: Path, fetchers: list[str], prefix: str) -> None:
+        if os.geteuid() != 0:
+            pytest.skip("network namespaces need root")
+        self.tmp, self.procs = tmp, {}
+        self.net = Network(["broker", "learner", *fetchers], "100mbit", f"{prefix}{os.getpid()}")
+        try:
+            self.net.build()
+        except OSError as exc:
+            self.net.remove()
+            pytest.skip(f"cannot build network namespaces here: {exc}")
+        self.broker_at = f"tcp://{address(0)}:{PORT}"
+
+    def start_broker(self, log: str = "broker.log") -> None:
+        args = ["-m", "deploy.cli", "broker", "--set", f"broker.bind={self.broker_at}",
+                "--set", "broker.heartbeat_timeout_s=600", "--set", f"run.out_dir={self.tmp}"]  # fmt: skip
+        self.procs["broker"] = self.net.start("broker", args, self.tmp / log)
+
+    def publish_16mib(self, fetchers: dict[str, str], stall_s: float) -> None:
+        """The learner publishes 16 MiB in 1 MiB chunks (1.3 s a link) once every fetcher is
+        ready; fetcher ``name`` asks for it once the file ``fetchers[name]`` exists."""
+        self.start_broker()
+        time.sleep(2.0)
+        go = self.tmp / "go"
+        serve = ["-m", "bench.weights", "serve", self.broker_at, str(16 << 20), str(1 << 20)]
+        self.procs["learner"] = self.net.start("learner", [*serve, str(go)], self.log("learner"))
+        for name, go_file in fetchers.items():
+            fetch = ["-m", "bench.weights", "fetch", self.broker_at, name, str(stall_s)]
+            self.procs[name] = self.net.start(
+                name, [*fetch, str(self.tmp / go_file)], self.log(name)
+            )
+            last_json(self.log(name), "ready", 120)
+        last_json(self.log("learner"), "ready", 120)
+        go.write_text("go\n")
+        last_json(self.log("learner"), "published", 60)
+
+    def log(self, name: str) -> Path:
+        return self.tmp / f"{name}.log"
+
+    def done(self, names: tuple[str, ...]) -> dict[str, dict]:
+        return {name: last_json(self.log(name), "done", 120) for name in names}
+
+    def kill(self, name: str) -> None:
+        os.kill(self.procs[name].pid, signal.SIGKILL)
+        self.procs[name].wait()
+
+    def __enter__(self) -> Hosts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.net.remove()
+
+
 @pytest.mark.system
 def test_a_relay_killed_mid_transfer_and_a_late_joiner_still_get_every_byte(tmp_path):
-    """Real processes on hosts of their own (network namespaces, 100 Mbit/s cables): the learner's
-    chunk server publishes 16 MiB (1.3 s a link) down a chain of three fetchers; mid-transfer the
-    middle one is SIGKILLed and a fourth joins. The fetcher after the dead one gives it up after
-    its stall time and finishes from another source, the joiner is served too, and every one
-    that finishes has checked every chunk and tensor against the manifest."""
-    import os
-    import signal
-
-    from bench.weights import PORT, Network, address, last_json
-
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    net = Network(["broker", "learner", "f0", "f1", "f2", "f3"], "100mbit", f"aw{os.getpid()}")
-    try:
-        net.build()
-    except OSError as exc:
-        net.remove()
-        pytest.skip(f"cannot build network namespaces here: {exc}")
-    broker_at, go = f"tcp://{address(0)}:{PORT}", tmp_path / "go"
-    procs: dict[str, object] = {}
-    try:
-        procs["broker"] = net.start(
-            "broker",
-            ["-m", "deploy.cli", "broker", "--set", f"broker.bind={broker_at}",
-             "--set", "broker.heartbeat_timeout_s=600", "--set", f"run.out_dir={tmp_path}"],
-            tmp_path / "broker.log",
-        )  # fmt: skip
-        time.sleep(2.0)
-        serve = ["-m", "bench.weights", "serve", broker_at, str(16 << 20), str(1 << 20), str(go)]
-        procs["learner"] = net.start("learner", serve, tmp_path / "learner.log")
-
-        def fetch(name: str) -> list[str]:  # asks for the version once tmp_path/go-<name> exists
-            go_name = str(tmp_path / f"go-{name}")
-            return ["-m", "bench.weights", "fetch", broker_at, name, "2", go_name]
-
-        for name in ("f0", "f1", "f2", "f3"):
-            procs[name] = net.start(name, fetch(name), tmp_path / f"{name}.log")
-            last_json(tmp_path / f"{name}.log", "ready", 120)
-        last_json(tmp_path / "learner.log", "ready", 120)
-        go.write_text("go\n")
-        last_json(tmp_path / "learner.log", "published", 60)
+    """Real processes on hosts of their own: the learner's chunk server publishes 16 MiB down a
+    chain of three fetchers; mid-transfer the middle one is SIGKILLed and a fourth joins. The
+    fetcher after the dead one gives it up after its stall time and finishes from another
+    source, the joiner is served too, and every one that finishes has checked every chunk and
+    tensor against the manifest."""
+    names = ("f0", "f1", "f2", "f3")
+    with Hosts(tmp_path, list(names), "aw") as hosts:
+        hosts.publish_16mib({name: f"go-{name}" for name in names}, stall_s=2)
         for name in ("f0", "f1", "f2"):  # they ask in this order: a chain learner-f0-f1-f2
             (tmp_path / f"go-{name}").write_text("go\n")
             time.sleep(0.2)
         time.sleep(0.4)  # f2 is receiving from f1 now: the chain's pipeline is a few chunks deep
-        os.kill(procs["f1"].pid, signal.SIGKILL)
+        hosts.kill("f1")
         (tmp_path / "go-f3").write_text("go\n")  # a joiner mid-transfer
-        done = {
-            name: last_json(tmp_path / f"{name}.log", "done", 120) for name in ("f0", "f2", "f3")
-        }
-        assert "done" not in (tmp_path / "f1.log").read_text()
+        done = hosts.done(("f0", "f2", "f3"))
+        assert "done" not in hosts.log("f1").read_text()
         assert done["f2"]["sources"][0] == "f1" and done["f2"]["sources"][-1] != "f1", done["f2"]
         assert all("verified" in d for d in done.values()), done
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        net.remove()
 
 
 @pytest.mark.system
@@ -341,49 +364,14 @@ def test_a_broker_killed_mid_transfer_does_not_stop_the_bytes(tmp_path):
     """The broker steers and the bytes flow around it: SIGKILLed while a chain of three fetchers
     is mid-version, and restarted on the same address, it stops no transfer: every fetcher
     finishes from the source it had, each chunk and tensor checked against the manifest."""
-    import os
-    import signal
-
-    from bench.weights import PORT, Network, address, last_json
-
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    net = Network(["broker", "learner", "f0", "f1", "f2"], "100mbit", f"bk{os.getpid()}")
-    try:
-        net.build()
-    except OSError as exc:
-        net.remove()
-        pytest.skip(f"cannot build network namespaces here: {exc}")
-    broker_at, go = f"tcp://{address(0)}:{PORT}", tmp_path / "go"
-    broker_args = ["-m", "deploy.cli", "broker", "--set", f"broker.bind={broker_at}",
-                   "--set", "broker.heartbeat_timeout_s=600", "--set", f"run.out_dir={tmp_path}"]  # fmt: skip
-    procs: dict[str, object] = {}
-    try:
-        procs["broker"] = net.start("broker", broker_args, tmp_path / "broker.log")
-        time.sleep(2.0)
-        serve = ["-m", "bench.weights", "serve", broker_at, str(16 << 20), str(1 << 20), str(go)]
-        procs["learner"] = net.start("learner", serve, tmp_path / "learner.log")
-        for name in ("f0", "f1", "f2"):
-            fetch = ["-m", "bench.weights", "fetch", broker_at, name, "5", str(tmp_path / "go-f")]
-            procs[name] = net.start(name, fetch, tmp_path / f"{name}.log")
-            last_json(tmp_path / f"{name}.log", "ready", 120)
-        last_json(tmp_path / "learner.log", "ready", 120)
-        go.write_text("go\n")
-        last_json(tmp_path / "learner.log", "published", 60)
+    names = ("f0", "f1", "f2")
+    with Hosts(tmp_path, list(names), "bk") as hosts:
+        hosts.publish_16mib(dict.fromkeys(names, "go-f"), stall_s=5)
         (tmp_path / "go-f").write_text("go\n")
         time.sleep(0.5)  # 16 MiB take 1.3 s a link: every fetcher is mid-version
-        os.kill(procs["broker"].pid, signal.SIGKILL)
-        procs["broker"].wait()
-        assert not any("done" in (tmp_path / f"f{i}.log").read_text() for i in range(3))
-        procs["broker"] = net.start("broker", broker_args, tmp_path / "broker2.log")
-        done = {
-            name: last_json(tmp_path / f"{name}.log", "done", 120) for name in ("f0", "f1", "f2")
-        }
+        hosts.kill("broker")
+        assert not any("done" in hosts.log(name).read_text() for name in names)
+        hosts.start_broker("broker2.log")
+        done = hosts.done(names)
         assert all("verified" in d for d in done.values()), done
         assert all(len(d["sources"]) == 1 for d in done.values()), done  # no source lost
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        net.remove()

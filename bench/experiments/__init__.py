@@ -6,6 +6,7 @@ step log (`learner_steps.jsonl`) and the run summary, and writes JSON and a PNG 
 runs/bench/ or --out (`<name>.json`/`.png`; `<name>_quick.*` for --quick).
 
     python -m bench.experiments long_horizon [--quick] [--seeds N]  # PPO vs GRPO on chain, held-out
+    python -m bench.experiments long_horizon_curves [--quick] [--seeds N]  # the same, early termination, held-out curves
     python -m bench.experiments cut_bootstrap [--quick] [--seeds N] # compaction cuts: critic vs 0
     python -m bench.experiments critic [--quick] [--seeds N]        # which critic explains the return
     python -m bench.experiments ppo_vs_grpo [--quick] [--seeds N]   # critic PPO vs GRPO, maze + digits
@@ -27,7 +28,7 @@ Where things are: this file is the registry (`EXPERIMENTS`: each experiment's ru
 plot and claim) and the driver; `tasks.py` the starting models and task configurations;
 `runs.py` one run (`launch`: a real `asyncppo up` and its held-out evaluations) and its record;
 `stats.py` the pure numbers; `plots.py` shared plot pieces; one module per family of
-experiments: `chain.py` (long horizon, compaction cuts, critics, credit), `ppo_vs_grpo.py`,
+experiments: `chain.py` (long horizon, compaction cuts, critics, credit), `ppo_vs_grpo.py` (also the chain's held-out curves),
 `mismatch.py` (IcePop under bf16 sampling), `asynchrony.py` (staleness and throughput).
 
 Measures, per run (from the step log):
@@ -81,7 +82,14 @@ from bench.experiments.mismatch import (
     summarize_icepop,
     summarize_mismatch_threshold,
 )
-from bench.experiments.ppo_vs_grpo import plot_ppo_vs_grpo, ppo_vs_grpo_runs, summarize_ppo_vs_grpo
+from bench.experiments.ppo_vs_grpo import (
+    long_horizon_curve_runs,
+    plot_long_horizon_curves,
+    plot_ppo_vs_grpo,
+    ppo_vs_grpo_runs,
+    summarize_long_horizon_curves,
+    summarize_ppo_vs_grpo,
+)
 from bench.experiments.runs import (
     Experiment,
     fitted_critic,
@@ -110,6 +118,17 @@ EXPERIMENTS = {
         3,
         "critic PPO beats GRPO on long horizons without early termination and ties with it "
         "where episodes end early (arXiv 2511.03527); GRPO as good on short tasks",
+        model=WARM_CHAIN_MODEL,
+        prepare=warm_model("chain", WARM_CHAIN_MODEL),
+    ),
+    "long_horizon_curves": Experiment(
+        long_horizon_curve_runs,
+        summarize_long_horizon_curves,
+        plot_long_horizon_curves,
+        2,
+        3,
+        "on the early-termination chain critic PPO reaches a held-out level in fewer episodes "
+        "than GRPO, or collapses less (Turn-PPO, arXiv 2512.17008)",
         model=WARM_CHAIN_MODEL,
         prepare=warm_model("chain", WARM_CHAIN_MODEL),
     ),

@@ -11,7 +11,14 @@ import numpy as np
 
 from bench.experiments.plots import _held_out_curves
 from bench.experiments.runs import Run, chain_run
-from bench.experiments.stats import EVAL_EVERY, groups, held_out_summary, mean_std
+from bench.experiments.stats import (
+    EVAL_EVERY,
+    groups,
+    held_out_at_episodes,
+    held_out_summary,
+    mean_std,
+    seed_interval,
+)
 from bench.experiments.tasks import CHAIN_VARIANTS, DIGITS, maze
 
 # Issue 39: how far actors may run ahead (broker.max_staleness, η) against what corrects for it, on
@@ -84,12 +91,17 @@ def summarize_asynchrony(records: list[dict]) -> dict[str, Any]:
     per wall second, and the rates the roles' CPU seconds imply on dedicated machines; then each
     arm's async/sync ratios against ours at η = 0, measured here and implied there."""
     summary: dict[str, Any] = {}
+    equal = min(r["episodes"][-1] for r in records)  # what every run trained on at least
     for (k, arm), rs in sorted(groups(records, "max_staleness", "arm").items()):
         hist = np.sum([np.pad(r["staleness_histogram"], (0, 16))[:16] for r in rs], axis=0)
         summary[f"eta {k} / {arm}"] = {
             "max_staleness": k,
             "arm": arm,
             **held_out_summary(rs),
+            "held_out_at_equal_episodes": {
+                "episodes": equal,
+                **seed_interval([held_out_at_episodes(r, equal) for r in rs]),
+            },
             "trained_token_staleness": (hist / max(hist.sum(), 1)).round(4).tolist(),
             "mean_staleness": float((np.arange(16) * hist).sum() / max(hist.sum(), 1)),
             "episodes_trained": mean_std([r["summary"]["episodes_trained"] for r in rs]),

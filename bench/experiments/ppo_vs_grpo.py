@@ -1,4 +1,5 @@
-"""Critic PPO against GRPO on the maze (long horizon) and single-turn digits (short)."""
+"""Critic PPO against GRPO: on the maze (long horizon) and single-turn digits (short), and on the
+early-termination chain with held-out curves (how soon each reaches a level, and collapses)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,20 @@ from typing import Any
 
 import numpy as np
 
-from bench.experiments.plots import _curves
-from bench.experiments.runs import Run
-from bench.experiments.stats import episodes_to_reach, groups, mean_std
-from bench.experiments.tasks import DIGITS, MAZE_LEARNING
+from bench.experiments.plots import _curves, _held_out_curves
+from bench.experiments.runs import Run, chain_run
+from bench.experiments.stats import (
+    EVAL_EVERY,
+    collapsed,
+    episodes_to_reach,
+    groups,
+    held_out_reaches,
+    held_out_summary,
+    mean_std,
+)
+from bench.experiments.tasks import CHAIN_VARIANTS, DIGITS, MAZE_LEARNING
+
+CURVE_LEVELS = (0.6, 0.8)  # held-out success levels whose episodes-to-reach are reported
 
 
 def ppo_vs_grpo_runs(quick: bool, seeds: int) -> list[Run]:
@@ -89,3 +100,50 @@ def plot_ppo_vs_grpo(records: list[dict], ax_row: list[Any]) -> None:
             ylabel="success rate" if task == "maze" else "reward",
         )
         ax.legend()
+
+
+def long_horizon_curve_runs(quick: bool, seeds: int) -> list[Run]:
+    """long_horizon's early-termination arms (120 steps) with an evaluator beside training that
+    scores every 10th version on 48 held-out instances: a curve per seed, not two points."""
+    return [
+        chain_run(
+            f"curve-early-{algo}-s{seed}",
+            {"task": "early", "algorithm": algo},
+            quick,
+            seed,
+            120,
+            **{
+                "actor.env_kwargs": CHAIN_VARIANTS["early"],
+                "learner.algorithm": algo,
+                "eval.every_versions": 5 if quick else EVAL_EVERY,
+                "eval.episodes": 48,
+            },
+        )
+        for algo in ("ppo", "grpo")
+        for seed in range(seeds)
+    ]
+
+
+def summarize_long_horizon_curves(records: list[dict]) -> dict[str, Any]:
+    """Per method: held-out success (start, curve, end), the episodes each seed trained before
+    it first scored each of CURVE_LEVELS, and how many seeds collapsed (``stats.collapsed``)."""
+    return {
+        f"{task}/{algo}": held_out_summary(rs)
+        | {
+            "episodes_to_reach": {
+                str(level): [held_out_reaches(r, level) for r in rs] for level in CURVE_LEVELS
+            },
+            "collapses": sum(collapsed(r) for r in rs),
+            "seeds": len(rs),
+        }
+        for (task, algo), rs in sorted(groups(records, "task", "algorithm").items())
+    }
+
+
+def plot_long_horizon_curves(records: list[dict], ax_row: list[Any]) -> None:
+    for (task, algo), rs in sorted(groups(records, "task", "algorithm").items()):
+        _held_out_curves(ax_row[0], ax_row[1], rs, label=f"{algo} ({task}, n={len(rs)})")
+    for ax in ax_row:
+        for level in CURVE_LEVELS:
+            ax.axhline(level, color="grey", linewidth=0.5)
+    ax_row[0].legend()

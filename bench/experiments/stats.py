@@ -109,6 +109,37 @@ def held_out_at(curve: list[dict], every: int) -> dict[int, float]:
     return {every * round(p["version"] / every): p["success"] for p in curve}
 
 
+def held_out_at_episodes(run: dict, episodes: int) -> float:
+    """A run's held-out success at ``episodes`` trained: its evaluator's scores against the
+    episodes the scored versions had trained on, linearly interpolated. At η > 0 a step trains
+    more than a batch (admission rule 2), so arms are compared at equal samples, not steps."""
+    trained = [0, *run["episodes"]]  # trained[v]: episodes behind version v
+    xs = [trained[min(p["version"], len(trained) - 1)] for p in run["held_out_curve"]]
+    return float(np.interp(episodes, xs, [p["success"] for p in run["held_out_curve"]]))
+
+
+def held_out_reaches(run: dict, level: float) -> int | None:
+    """Episodes trained behind the first version the evaluator scored at ``level`` or above on
+    the held-out set; None if none did."""
+    trained = [0, *run["episodes"]]
+    return next(
+        (
+            trained[min(p["version"], len(trained) - 1)]
+            for p in run["held_out_curve"]
+            if p["success"] >= level
+        ),
+        None,
+    )
+
+
+def collapsed(run: dict, drop: float = 0.2) -> bool:
+    """A collapse: the held-out score falls ``drop`` or more below its best and ends there (it
+    does not recover by the last score). With one score of 48 instances (±0.13 at 95%) a
+    ``drop`` of 0.2 can still be a bad draw: read it with the curve."""
+    scores = [p["success"] for p in run["held_out_curve"]]
+    return bool(scores) and scores[-1] <= max(scores) - drop
+
+
 def held_out_summary(rs: list[dict]) -> dict[str, Any]:
     """The seeds of one arm on held-out instances: at the start, at the end (95% t-interval) and
     at every version the evaluator beside training scored on every seed."""
