@@ -272,6 +272,8 @@ def breakdown(stacks: Path) -> dict[str, float]:
     shares: Counter[str] = Counter()
     for line in stacks.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
+        if not count.isdigit():  # a line py-spy cut short
+            continue
         frames = stack.split(";")
         if frames[0].startswith("_run_module_as_main"):
             category = next((name for name, pat in CATEGORIES if pat in stack), "loop and other")
