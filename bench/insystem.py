@@ -127,12 +127,13 @@ def cpu_seconds(proc: psutil.Process) -> float:
 
 def snapshot(actors: list[tuple[int, psutil.Process]], roles: dict[str, psutil.Process]) -> dict:
     """Every actor's counters and CPU time, every role's CPU time, now."""
+    counters = [(scrape(port), proc) for port, proc in actors]  # one scrape per actor
     return {
         "t": time.monotonic(),
         "actors": [
-            {field: scrape(port).get(name) for name, field in ACTOR_COUNTERS.items()}
+            {field: scraped.get(name) for name, field in ACTOR_COUNTERS.items()}
             | {"cpu_s": cpu_seconds(proc)}
-            for port, proc in actors
+            for scraped, proc in counters
         ],
         "roles_cpu_s": {role: cpu_seconds(proc) for role, proc in roles.items()},
     }

@@ -572,8 +572,8 @@ def _merge(obj: Any, data: dict, prefix: str, source: str) -> None:
         )
     for name, value in data.items():
         key = f"{prefix}{name}"
-        if current_key(key, value) != key:
-            new = current_key(key, value)
+        new = current_key(key, value)
+        if new != key:
             warnings.warn(
                 f"config key '{key}' ({source}) is now '{new}'; the old spelling is still read",
                 FutureWarning,
