@@ -28,7 +28,6 @@ continuous batching; the maze preset, whose keys it reads) right after, the same
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -48,6 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from actors.chat import ChatFormat
 from actors.engines import TorchEngine
 from actors.play import new_episode
+from bench.experiments.runs import override_args, override_texts
 from bench.record import SCRATCH, write_report
 from bench.rollout import continuous
 from common.config import Config, load_config
@@ -158,7 +158,7 @@ def in_system(
     }
     cmd = [sys.executable, "-m", "deploy.cli", "up", "--actors", str(ACTORS)]
     cmd += ["--config", config] if config else []
-    cmd += [a for k, v in overrides.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    cmd += override_args(overrides)
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)}
     with open(run_dir / "up.log", "wb") as log:
         proc = spawn(cmd, cwd=tree, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -288,7 +288,7 @@ def breakdown(stacks: Path) -> dict[str, float]:
 
 def preset_config(preset: str) -> Config:
     config, overrides = PRESETS[preset]
-    return load_config(config, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+    return load_config(config, override_texts(overrides))
 
 
 def alone(cfg: Config, n: int, inflight: int) -> dict[str, float]:

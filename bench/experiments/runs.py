@@ -115,9 +115,14 @@ def run_record(res: Result) -> dict[str, Any]:
     }
 
 
+def override_texts(overrides: dict[str, Any]) -> list[str]:
+    """`key=value` for each override; values as JSON, which `--set` parses as YAML (a superset)."""
+    return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+
+
 def override_args(overrides: dict[str, Any]) -> list[str]:
-    """`--set key=value` pairs; values as JSON, which `--set` parses as YAML (a superset)."""
-    return [a for k, v in overrides.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    """`--set key=value` pairs for a command line."""
+    return [a for text in override_texts(overrides) for a in ("--set", text)]
 
 
 def launch(run: Run, experiment: str) -> Result:

@@ -109,22 +109,26 @@ def held_out_at(curve: list[dict], every: int) -> dict[int, float]:
     return {every * round(p["version"] / every): p["success"] for p in curve}
 
 
+def episodes_behind(run: dict, version: int) -> int:
+    """Episodes trained before ``version`` was published (version v follows step v)."""
+    steps = run["episodes"]  # cumulative, one entry per step
+    return steps[min(version, len(steps)) - 1] if version > 0 else 0
+
+
 def held_out_at_episodes(run: dict, episodes: int) -> float:
     """A run's held-out success at ``episodes`` trained: its evaluator's scores against the
     episodes the scored versions had trained on, linearly interpolated. At η > 0 a step trains
     more than a batch (admission rule 2), so arms are compared at equal samples, not steps."""
-    trained = [0, *run["episodes"]]  # trained[v]: episodes behind version v
-    xs = [trained[min(p["version"], len(trained) - 1)] for p in run["held_out_curve"]]
+    xs = [episodes_behind(run, p["version"]) for p in run["held_out_curve"]]
     return float(np.interp(episodes, xs, [p["success"] for p in run["held_out_curve"]]))
 
 
 def held_out_reaches(run: dict, level: float) -> int | None:
     """Episodes trained behind the first version the evaluator scored at ``level`` or above on
     the held-out set; None if none did."""
-    trained = [0, *run["episodes"]]
     return next(
         (
-            trained[min(p["version"], len(trained) - 1)]
+            episodes_behind(run, p["version"])
             for p in run["held_out_curve"]
             if p["success"] >= level
         ),
