@@ -14,7 +14,7 @@ runs/bench/ or --out (`<name>.json`/`.png`; `<name>_quick.*` for --quick).
     python -m bench.experiments icepop_smollm2 [--quick]             # the same on SmolLM2-135M (make smollm2)
     python -m bench.experiments staleness   [--quick] [--seeds N]   # max_staleness 0..8, icepop vs none
     python -m bench.experiments async       [--quick] [--seeds N]   # max_staleness 4 vs 0, torch + simulated
-    python -m bench.experiments asynchrony  [--quick] [--seeds N]   # η 0/4/8 x (ours, no weight, naive) on chain, held out
+    python -m bench.experiments asynchrony  [--quick] [--seeds N]   # η 0/1/4/8 x (ours, no weight, naive) on chain, held out
     python -m bench.experiments credit      [--quick] [--seeds N]   # token- vs turn-level GAE on chain, pre-fitted critic
     python -m bench.experiments mismatch_threshold [--quick]         # perturbed actor weights: none vs IcePop
 
