@@ -81,8 +81,15 @@ class Network:
             sh("ip", "-n", self.ns(host), "addr", "add", f"{address(i)}/24", "dev", "eth0")
             sh("ip", "-n", self.ns(host), "link", "set", "eth0", "up")
             for where, dev in ((self.ns(host), "eth0"), (self.ns("sw"), port)):  # up- and downlink
-                sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                   "rate", self.rate, "burst", "256kb", "latency", "100ms")  # fmt: skip
+                self._shape(where, dev, "add", self.rate)
+
+    def _shape(self, ns: str, dev: str, verb: str, rate: str) -> None:
+        sh("ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", dev, "root", "tbf",
+           "rate", rate, "burst", "256kb", "latency", "100ms")  # fmt: skip
+
+    def limit_uplink(self, host: str, rate: str) -> None:
+        """What ``host`` sends goes at ``rate`` from now on (a slow or congested sender)."""
+        self._shape(self.ns(host), "eth0", "change", rate)
 
     def remove(self) -> None:
         for host in ("sw", *self.hosts):

@@ -9,8 +9,9 @@ once, in both directions at once, so a version reaches N actors in about the tim
 plus one chunk per hop.
 
 ``fetch`` pulls a version's missing chunks from a source, several in flight, checking each
-chunk's sha256 before it is kept; a source that stalls (no chunk within ``stall_s``), refuses, or
-serves a chunk that does not check is reported to the broker, which names another.
+chunk's sha256 before it is kept; a source that stalls (no chunk within ``stall_s``), refuses,
+serves a chunk that does not check, or serves much slower than it receives (``slow``) is reported
+to the broker, which names another.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ M_SERVED = Counter("asyncppo_weights_bytes_served_total", "Weight bytes served t
 M_FETCHED = Counter("asyncppo_weights_bytes_fetched_total", "Weight bytes fetched from peers.")
 M_SOURCE_FAILED = Counter(
     "asyncppo_weights_source_failures_total",
-    "Sources abandoned in the middle of a version, by why: stalled, refused, bad chunk.",
+    "Sources abandoned in the middle of a version, by why: stalled, slow, refused, bad chunk.",
     ["reason"],
 )
 
@@ -146,6 +147,8 @@ class PeerServer:
             data = pieces.get(index)
             if data is not None:
                 head = {"req": msg.req, "version": pieces.version, "chunk": index}
+                if (rate := pieces.rate()) is not None:  # lets a fetcher see this relay lag
+                    head["rate"] = rate
                 view = np.frombuffer(data, dtype=np.uint8)
                 self._reply(envelope, encode("WEIGHTS_CHUNK", head, {"data": view}))
                 M_SERVED.inc(view.nbytes)
@@ -173,6 +176,24 @@ class PeerServer:
             self._bell_in = None
 
 
+SLOW_RATIO = 2.0  # a relay that serves a version this many times slower than it received it
+SLOW_GRACE_S = 1.0  # ... and is this far behind what its own rate would have delivered
+
+
+def slow(source_rate: float, chunks: int, seconds: float) -> bool:
+    """Whether a relay serves much slower than it receives: ``chunks`` came from it ``seconds``
+    apart (first to latest), under 1/``SLOW_RATIO`` of the ``source_rate`` (chunks a second) it
+    reports receiving the version at, and ``SLOW_GRACE_S`` later than that rate would have
+    brought them. A relay whose uplink is the narrow part fails this within a few chunks; a
+    healthy chain pipelines at one rate from end to end, and a pause of a busy host (under a
+    second) decides nothing; a source that holds the whole version from the start (the learner)
+    reports no rate and is never slow."""
+    if chunks < 3 or not source_rate > 0:  # a peer's nonsense rate judges nobody
+        return False
+    due = (chunks - 1) / source_rate
+    return seconds > max(SLOW_RATIO * due, due + SLOW_GRACE_S)
+
+
 def fetch(
     pieces: Pieces,
     where: Callable[[list[str]], Source],
@@ -185,10 +206,13 @@ def fetch(
 ) -> bool:
     """Fill ``pieces`` from the sources ``where(failed)`` names, each chunk checked as it
     arrives; True once complete, False when ``should_stop()``. A source that stalls for
-    ``stall_s``, refuses, or serves a chunk that does not check goes into ``failed`` (the broker
-    avoids it) and the next one takes over from the first missing chunk. ``where`` raises
+    ``stall_s``, refuses, serves a chunk that does not check, or is ``slow`` goes into
+    ``failed`` (the broker avoids it) and the next one takes over from the first missing chunk.
+    One source per version at most is given up as slow: a fetcher whose own link is the narrow
+    one finds every relay ahead of it, and must not report them all. ``where`` raises
     ``TransportError`` when the version is gone (a newer one replaced it)."""
     failed: list[str] = []
+    judge_slow = True
     while not pieces.complete:
         if should_stop():
             return False
@@ -198,7 +222,7 @@ def fetch(
             server_key=source.key,
         )  # fmt: skip
         try:
-            _pull(client, pieces, window)
+            _pull(client, pieces, window, judge_slow)
         except (TransportError, ProtocolError) as exc:
             reason = "stalled" if getattr(exc, "code", "") == "timeout" else exc.code
             M_SOURCE_FAILED.labels(reason=reason).inc()
@@ -206,20 +230,31 @@ def fetch(
                         error=str(exc))  # fmt: skip
             if getattr(exc, "code", "") == "interrupted":
                 return False
+            judge_slow = judge_slow and reason != "slow"
             failed.append(source.id)
         finally:
             client.close()
     return True
 
 
-def _pull(client: Client, pieces: Pieces, window: int) -> None:
-    """Every missing chunk from one source, ``window`` in flight, each checked and kept."""
+def _pull(client: Client, pieces: Pieces, window: int, judge_slow: bool) -> None:
+    """Every missing chunk from one source, ``window`` in flight, each checked and kept; raises
+    ``ProtocolError("slow")`` when ``judge_slow`` and the source is ``slow``."""
     missing = pieces.missing()
     headers = [{"version": pieces.version, "chunk": i} for i in missing]
+    first_at = 0.0
     with contextlib.closing(client.stream("WEIGHTS_GET", headers, window=window)) as replies:
-        for i, reply in replies:
+        for n, (i, reply) in enumerate(replies, start=1):
             data = reply.tensors.get("data")
             if data is None:
                 raise ProtocolError("missing_field", "data", "WEIGHTS_CHUNK carries 'data'")
             pieces.put(missing[i], data)  # a view of the received frame: no copy
             M_FETCHED.inc(len(data))
+            now, rate = time.monotonic(), reply.header.get("rate")
+            first_at = first_at or now
+            if judge_slow and rate is not None and slow(rate, n, now - first_at):
+                raise ProtocolError(
+                    "slow", "rate",
+                    f"the source received version {pieces.version} at {rate:.1f} chunks/s and "
+                    f"serves it at {(n - 1) / (now - first_at):.1f}", retryable=True,
+                )  # fmt: skip

@@ -35,7 +35,7 @@ class Pieces:
         self._changed = threading.Condition()
         self._listeners: list[Callable[[], None]] = []  # told of every chunk kept
         now = time.monotonic() if self.complete else 0.0
-        self.first_at, self.done_at = now, now  # when the first and the last chunk came in
+        self.first_at, self.last_at, self.done_at = now, now, now  # first, latest, last chunk in
 
     def __len__(self) -> int:
         return len(self.specs)
@@ -58,6 +58,13 @@ class Pieces:
         if not self.complete:
             raise ValueError(f"version {self.version}: {len(self.missing())} chunks missing")
         return list(self._chunks)
+
+    def rate(self) -> float | None:
+        """Chunks a second this version came in at, from its first chunk to its latest; None
+        while that is not known (under two chunks, or all of them given at once)."""
+        with self._changed:
+            span = self.last_at - self.first_at
+            return (self._held - 1) / span if self._held >= 2 and span > 0 else None
 
     def missing(self) -> list[int]:
         with self._changed:
@@ -90,7 +97,7 @@ class Pieces:
                 self._chunks[index] = data
                 self._held += 1
                 now = time.monotonic()
-                self.first_at = self.first_at or now
+                self.first_at, self.last_at = self.first_at or now, now
                 if self.complete:
                     self.done_at = now
                 self._changed.notify_all()

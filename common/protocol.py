@@ -124,7 +124,7 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "HEARTBEAT_ACK": {"latest_version": (_INT, True)},
     "WEIGHTS_MANIFEST": {"manifest": ((dict,), True)},
     "WEIGHTS_SOURCE": {"version": (_INT, True), "source": ((dict,), True)},
-    "WEIGHTS_CHUNK": {"version": (_INT, True), "chunk": (_INT, True)},
+    "WEIGHTS_CHUNK": {"version": (_INT, True), "chunk": (_INT, True), "rate": (_NUM, False)},
     "BATCH": {"batch_id": (_INT, True), "segments": ((list,), True)},
     "OK": {},
     "STATS_REPLY": {"stats": ((dict,), True)},

@@ -19,7 +19,7 @@ from test_broker import start_broker, wait_until  # noqa: F401  (the fixture)
 from actors.actor import Actor
 from bench.weights import PORT, Network, address, last_json
 from common.config import SecurityConfig, load_config
-from common.peers import PeerServer, fetch
+from common.peers import PeerServer, fetch, slow
 from common.pieces import Pieces
 from common.protocol import ProtocolError, decode, encode
 from common.transport import Endpoint
@@ -197,6 +197,7 @@ def test_a_chunk_server_answers_anything_and_serves_on() -> None:
         assert ask(get(3, "0")).header["code"] == "bad_type"
         reply = ask(get(3, 2))
         assert reply.kind == "WEIGHTS_CHUNK" and bytes(reply.tensors["data"]) == bytes(chunks[2])
+        assert "rate" not in reply.header  # given whole: no rate it received the version at
         parked = Pieces(manifest_of(8192, 4096, 4))
         server.offer(parked)
         assert ask(get(4, 0)).header["code"] == "not_yet"  # after park_s
@@ -214,8 +215,22 @@ def test_pieces_keep_only_chunks_that_check() -> None:
         pieces.put(0, bytes(chunks[0])[:-1])
     assert pieces.missing() == [0, 1, 2, 3] and not pieces.complete
     for i, c in enumerate(chunks):
+        assert pieces.rate() is None or i >= 2  # known from two chunks on
         pieces.put(i, c)
+        time.sleep(0.01)
     assert pieces.complete and pieces.first_at <= pieces.done_at
+    assert 0 < pieces.rate() <= 3 / 0.02  # 3 intervals of at least 10 ms (the sleeps)
+    assert Pieces(manifest, chunks).rate() is None  # the learner's: given whole
+
+
+def test_a_relay_is_slow_only_when_it_serves_far_slower_than_it_receives() -> None:
+    """``slow(rate it received at, chunks it served us, seconds first to latest)``."""
+    assert slow(10.0, 3, 1.3)  # due in 0.2 s: 1.1 s late and 6x slower
+    assert not slow(10.0, 2, 100.0)  # one interval decides nothing
+    assert not slow(10.0, 3, 1.1)  # 6x slower, but within the second's grace
+    assert slow(1.0, 3, 4.1) and not slow(1.0, 3, 3.9)  # due in 2 s: under twice is not slow
+    for nonsense in (0.0, -1.0, float("nan")):  # what a peer may claim judges nobody
+        assert not slow(nonsense, 10, 100.0)
 
 
 @pytest.mark.system
@@ -356,6 +371,27 @@ def test_a_relay_killed_mid_transfer_and_a_late_joiner_still_get_every_byte(tmp_
         done = hosts.done(("f0", "f2", "f3"))
         assert "done" not in hosts.log("f1").read_text()
         assert done["f2"]["sources"][0] == "f1" and done["f2"]["sources"][-1] != "f1", done["f2"]
+        assert all("verified" in d for d in done.values()), done
+
+
+@pytest.mark.system
+def test_a_relay_that_serves_slowly_is_routed_around(tmp_path):
+    """A relay whose uplink falls to 5 Mbit/s (16 MiB would take 27 s through it) while it
+    receives at 100 Mbit/s: the fetcher after it sees it serve far slower than it receives,
+    gives it up after a few chunks and finishes from another source, in a fraction of the time
+    the slow link needs; every chunk and tensor checked."""
+    names = ("f0", "slow", "f2")
+    with Hosts(tmp_path, list(names), "sl") as hosts:
+        hosts.net.limit_uplink("slow", "5mbit")
+        hosts.publish_16mib({name: f"go-{name}" for name in names}, stall_s=30)
+        for name in names:  # they ask in this order: a chain learner-f0-slow-f2
+            (tmp_path / f"go-{name}").write_text("go\n")
+            time.sleep(0.2)
+        done = hosts.done(("f0", "f2"))
+        # the one before it, or the learner: the slow relay's own downloads crawl too (its
+        # requests queue behind what it sends), so it may report f0 as slow in turn
+        assert done["f2"]["sources"][0] == "slow" and len(done["f2"]["sources"]) == 2, done["f2"]
+        assert done["f2"]["done"] - done["f2"]["started"] < 27 / 2, done["f2"]
         assert all("verified" in d for d in done.values()), done
 
 
