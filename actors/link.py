@@ -77,12 +77,22 @@ class WeightsClient:
         return reply.header["manifest"] if reply.kind == "WEIGHTS_MANIFEST" else None
 
     def where(self, version: int, failed: list[str]) -> Source:
-        """Whom to fetch ``version`` from (the broker's choice); waits out ``no_source``."""
+        """Whom to fetch ``version`` from (the broker's choice). Waits out ``no_source`` while
+        ``version`` is the newest; raises ``TransportError`` once a newer one replaced it
+        (``version_gone``, or ``no_source`` with a newer one out: a learner that died before
+        anyone had its version, and restarted, publishes the next one and serves no other)."""
+
+        def give_up_when_replaced(exc: TransportError) -> None:
+            newest = self.newest() if exc.code == "no_source" else None
+            if exc.code == "version_gone" or (newest and newest["version"] > version):
+                raise TransportError(f"version {version} was replaced: {exc}", retryable=False)
+
         reply = call_with_retry(
             lambda: self.client.request("WEIGHTS_WHERE", {"version": version, "failed": failed}),
             what="WEIGHTS_WHERE",
             health=Health(),  # the fetching thread's waits are not the loop's
             should_stop=self.should_stop,
+            prepare=give_up_when_replaced,
         )
         return Source(**reply.header["source"])
 

@@ -17,6 +17,7 @@ import zmq
 from test_broker import start_broker, wait_until  # noqa: F401  (the fixture)
 
 from actors.actor import Actor
+from actors.link import WeightsClient
 from bench.weights import PORT, Network, address, last_json
 from common.config import SecurityConfig, load_config
 from common.peers import PeerServer, fetch, slow
@@ -127,6 +128,39 @@ def test_a_peer_that_serves_a_forged_chunk_is_caught_and_avoided(start_broker): 
     assert "liar" not in later.sources  # reported once, avoided by everyone
     for peer in (liar, honest, later, learner):
         peer.close()
+
+
+@pytest.mark.system
+def test_a_fetch_from_a_dead_learner_gives_way_to_its_successors_version(start_broker):  # noqa: F811
+    """The learner dies with its version served to nobody (its chunk server gone, as under
+    SIGKILL mid-transfer) and a new learner publishes the next one: an actor fetching the dead
+    one's gives it up (the broker has no source for it) instead of waiting for ever, loads
+    nothing of it, and then gets the new version whole."""
+    first = ScriptedLearner((broker := start_broker()).address, "learner")
+    first.hello(batch_size=2)
+    first.publish(0)
+    first.server.close()  # nobody can get version 0 any more
+    actor = Fetcher(broker.address, "a0")
+    actor.hello()
+    cfg = load_config(overrides=["actor.weights_stall_s=0.5"])
+    info = lambda: actor.client.request("WEIGHTS_INFO")  # noqa: E731
+    weights = WeightsClient(cfg, actor.client, info, server=actor.server)
+    weights.start(weights.newest())
+    time.sleep(2.0)  # stalled on the learner, then told no_source, again and again
+    assert weights.busy() and weights.downloading.version == 0
+    first.request("BYE")
+    second = ScriptedLearner(broker.address, "learner2")
+    assert second.hello(batch_size=2) == 0
+    manifest, chunks = second.publish(1)
+    wait_until(lambda: not weights.busy(), 20, "the fetch of version 0 to give up")
+    assert weights.take() is None  # nothing of version 0 to load
+    weights.start(weights.newest())
+    wait_until(lambda: not weights.busy(), 20, "version 1")
+    got = weights.take()
+    assert got.version == 1 and [bytes(c) for c in got.chunks] == [bytes(c) for c in chunks]
+    for peer in (actor, second):
+        peer.close()
+    first.client.close()
 
 
 def manifest_of(total_bytes: int, chunk_bytes: int, version: int) -> dict:
