@@ -239,7 +239,7 @@ def fetch(
 
 def _pull(client: Client, pieces: Pieces, window: int, judge_slow: bool) -> None:
     """Every missing chunk from one source, ``window`` in flight, each checked and kept; raises
-    ``ProtocolError("slow")`` when ``judge_slow`` and the source is ``slow``."""
+    ``TransportError`` (code ``slow``) when ``judge_slow`` and the source is ``slow``."""
     missing = pieces.missing()
     headers = [{"version": pieces.version, "chunk": i} for i in missing]
     first_at = 0.0
@@ -253,8 +253,7 @@ def _pull(client: Client, pieces: Pieces, window: int, judge_slow: bool) -> None
             now, rate = time.monotonic(), reply.header.get("rate")
             first_at = first_at or now
             if judge_slow and rate is not None and slow(rate, n, now - first_at):
-                raise ProtocolError(
-                    "slow", "rate",
+                raise TransportError(
                     f"the source received version {pieces.version} at {rate:.1f} chunks/s and "
-                    f"serves it at {(n - 1) / (now - first_at):.1f}", retryable=True,
+                    f"serves it at {(n - 1) / (now - first_at):.1f}", code="slow",
                 )  # fmt: skip
