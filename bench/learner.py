@@ -84,8 +84,8 @@ class PlainEngine:
         )
         self.norm = 0.0
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
-        return self.module(input_ids, attention_mask)
+    def __call__(self, input_ids: torch.Tensor) -> Any:
+        return self.module(input_ids)
 
     def set_gradient_accumulation_boundary(self, boundary: bool) -> None:
         pass

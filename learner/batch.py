@@ -117,8 +117,11 @@ class Batch:
 
     def inputs(
         self, rows: list[int], device: torch.device | str = "cpu"
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The model's inputs for ``rows``: token ids, attention mask, sampling temperatures."""
-        ids = self.take(self.tokens, rows, device)
-        attn = (torch.arange(ids.shape[1]) < self.lengths[rows, None]).long().to(device)
-        return ids, attn, self.temperature[rows].to(device)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's inputs for ``rows``: token ids and sampling temperatures. No attention
+        mask: rows are right-padded and the models causal, so no real token attends to padding
+        and the positions are the same; what padding itself computes is never read
+        (``action_mask``). Without a mask attention takes its causal kernel: on the tiny model
+        and maze-length rows (~450 tokens) a learner step costs 6% less CPU (1.64 against 1.74
+        CPU-s, median of 4 runs each), and on GPU it is the flash kernel that a mask rules out."""
+        return self.take(self.tokens, rows, device), self.temperature[rows].to(device)

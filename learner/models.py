@@ -95,9 +95,9 @@ class Critic(nn.Module):
             self.head.load_state_dict(load_file(Path(init) / VALUE_HEAD))
         self.trunk = with_adapters(trunk, lora)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.head(hidden)
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """V after every token of right-padded rows (``Batch.inputs``: no mask needed)."""
+        return self.head(self.trunk(input_ids=input_ids).last_hidden_state)
 
 
 VALUE_HEAD = "value_head.safetensors"
@@ -140,12 +140,8 @@ class PolicyWithValue(nn.Module):
         self.policy, self.base_fingerprint = causal_lm(path, dtype, lora)
         self.head = ValueHead(self.policy.config.hidden_size).to(dtype)
 
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.policy(
-            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
-        )
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.policy(input_ids=input_ids, output_hidden_states=True)
         return out.logits, self.head(out.hidden_states[-1])
 
 
@@ -156,8 +152,8 @@ class Policy(nn.Module):
         super().__init__()
         self.policy, self.base_fingerprint = causal_lm(path, dtype, lora)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.policy(input_ids=input_ids, attention_mask=attention_mask).logits
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.policy(input_ids=input_ids).logits
 
 
 def _log_softmax(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:

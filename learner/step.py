@@ -54,7 +54,7 @@ class Engine(Protocol):
 
     module: torch.nn.Module
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any: ...
+    def __call__(self, input_ids: torch.Tensor) -> Any: ...
     def set_gradient_accumulation_boundary(self, boundary: bool) -> None: ...
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> Any: ...
     def step(self) -> None: ...
@@ -208,17 +208,17 @@ class TrainStep:
 
     # ------------------------------------------------------------ the model
     def _forward(
-        self, ids: torch.Tensor, attn: torch.Tensor, temps: torch.Tensor
+        self, ids: torch.Tensor, temps: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One pass per model: policy log-probs and entropies [B,T] aligned to tokens, each row at
         its own sampling temperature, and the critic's raw outputs [B,T] (index t = the state
         after token t; None without a critic)."""
         m = self.models
         if m.shared:
-            logits, raw = m.policy(ids, attn)
+            logits, raw = m.policy(ids)
         else:
-            logits = m.policy(ids, attn)
-            raw = m.critic(ids, attn) if m.critic is not None else None
+            logits = m.policy(ids)
+            raw = m.critic(ids) if m.critic is not None else None
         return *token_logprobs_and_entropy(logits, ids, temps), raw
 
     @torch.no_grad()
@@ -234,17 +234,15 @@ class TrainStep:
         entropy = torch.zeros(batch.tokens.shape)
         for rows in batch.micro_batches(self.lc.micro_batch_tokens):
             self.beat("scoring the batch")
-            ids, attn, temps = batch.inputs(rows, self.device)
-            lp, h, raw = self._forward(ids, attn, temps)
+            ids, temps = batch.inputs(rows, self.device)
+            lp, h, raw = self._forward(ids, temps)
             width = ids.shape[1]
             prox[rows, :width], entropy[rows, :width] = lp.cpu(), h.cpu()
             if raw is not None:
                 values[rows, :width] = shift_to_tokens(raw).cpu()
                 end_values[rows] = raw.cpu()[torch.arange(len(rows)), batch.lengths[rows] - 1]
             if ref is not None:
-                ref[rows, :width] = token_logprobs(
-                    self.models.reference(ids, attn), ids, temps
-                ).cpu()
+                ref[rows, :width] = token_logprobs(self.models.reference(ids), ids, temps).cpu()
         return Scores(prox, values, end_values, ref, entropy)
 
     # ------------------------------------------------------------ optimise
@@ -282,8 +280,8 @@ class TrainStep:
         b, m, total = step.batch, self.models, 0.0
         for rows in step.micro_batches:
             self.beat("measuring the update")
-            ids, attn, temps = b.inputs(rows, self.device)
-            out = m.policy(ids, attn)
+            ids, temps = b.inputs(rows, self.device)
+            out = m.policy(ids)
             log_r = token_logprobs(out[0] if m.shared else out, ids, temps).cpu()
             log_r = log_r - b.take(step.scores.prox, rows)
             total += float(((log_r.exp() - 1) - log_r)[b.take(b.action_mask, rows)].double().sum())
@@ -327,8 +325,8 @@ class TrainStep:
         """Token-level PPO on the proximal policy (+ KL to a reference, + the shared critic's
         value loss); the loss and its terms."""
         lc, m, b = self.lc, self.models, step.batch
-        ids, attn, temps = b.inputs(rows, self.device)
-        out = m.policy(ids, attn)
+        ids, temps = b.inputs(rows, self.device)
+        out = m.policy(ids)
         logits = out[0] if m.shared else out
         if lc.entropy_coef:  # the entropy's graph costs a [B, T, vocab] tensor: only when used
             lp, entropy = token_logprobs_and_entropy(logits, ids, temps)
@@ -373,10 +371,10 @@ class TrainStep:
 
     def _critic_loss(self, step: Step, rows: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
         b = step.batch
-        ids, attn, _ = b.inputs(rows, self.device)
+        ids, _ = b.inputs(rows, self.device)
         take = lambda x: b.take(x, rows, self.device)  # noqa: E731
         vl = value_loss(
-            shift_to_tokens(self.models.critic(ids, attn)),
+            shift_to_tokens(self.models.critic(ids)),
             take(step.scores.values),
             take(step.targets.returns),
             take(b.action_mask),
@@ -391,7 +389,7 @@ class TrainStep:
         A real forward, not a sum over parameters: under ZeRO-3 parameters exist only inside it.
         """
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        out = engine(ids, torch.ones_like(ids))
+        out = engine(ids)
         return sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))) * 0.0
 
     # ---------------------------------------------------------- statistics

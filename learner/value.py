@@ -182,8 +182,8 @@ class Turns:
 
 def values(critic: Critic, segments: list, rows: list[tuple[int, int]]) -> torch.Tensor:
     """V at each (segment, position) of ``rows``, aligned as the learner reads it."""
-    ids, attn, _ = Batch.of(segments).inputs(list(range(len(segments))), "cpu")
-    v = shift_to_tokens(critic(ids, attn))
+    ids, _ = Batch.of(segments).inputs(list(range(len(segments))), "cpu")
+    v = shift_to_tokens(critic(ids))
     return torch.stack([v[r, s] for r, s in rows])
 
 

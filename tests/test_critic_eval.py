@@ -94,11 +94,11 @@ def test_eval_checkpoint_scores_the_learners_own_critic(tmp_path, tiny_model, ca
     assert version == 1
     # The loaded critic is the learner's: the same values on a batch.
     batch = Batch.of(fixed_batch())
-    ids, attn, _ = batch.inputs(list(range(len(batch))), "cpu")
+    ids, _ = batch.inputs(list(range(len(batch))), "cpu")
     with torch.no_grad():
-        values = models.critic(ids, attn)
+        values = models.critic(ids)
         assert values.abs().max() > 0  # the head trained off its zero init: a real comparison
-        assert torch.equal(values, learner.critic.module(ids, attn))
+        assert torch.equal(values, learner.critic.module(ids))
     learner.close()
 
     out = tmp_path / "eval.json"

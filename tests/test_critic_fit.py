@@ -53,9 +53,9 @@ def fit_args(model, out, *extra: str) -> list[str]:
 
 
 def values(critic: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    ids, attn, _ = batch.inputs(list(range(len(batch))), "cpu")
+    ids, _ = batch.inputs(list(range(len(batch))), "cpu")
     with torch.no_grad():
-        return critic(ids, attn)
+        return critic(ids)
 
 
 def test_a_fitted_critic_is_written_reused_and_starts_the_learners_critic(

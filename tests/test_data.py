@@ -18,6 +18,7 @@ from common.trajectory import Segment
 from learner.advantages import Targets, gae, segment_targets
 from learner.algorithms import ESTIMATORS, Scores
 from learner.batch import Batch, group_episodes, micro_batches, split_for_rank
+from learner.step import build_models
 from learner.value import turn_starts
 from testkit.segments import make_segment
 
@@ -255,11 +256,36 @@ def test_a_batch_lays_segments_out_as_padded_rows_and_links_each_to_its_next_seg
         assert batch.tokens[i, :n].tolist() == seg.tokens.tolist()
         assert batch.behavior_logprobs[i, :n].tolist() == seg.behavior_logprobs.tolist()
         assert not batch.action_mask[i, n:].any() and (batch.versions[i, n:] == -1).all()
-    # A micro-batch is cut to its longest row; the attention mask covers exactly each row.
-    ids, attn, temps = batch.inputs([0, 2])
-    assert ids.shape == (2, 4) and attn.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    # A micro-batch is cut to its longest row.
+    ids, temps = batch.inputs([0, 2])
+    assert ids.shape == (2, 4) and ids[1, 2:].tolist() == [0, 0]
     assert temps.tolist() == [1.0, 1.0]
     assert batch.take(batch.rewards, [2]).shape == (1, 2)
+
+
+@pytest.mark.parametrize("kind", ["separate", "shared"])
+def test_right_padded_rows_score_as_if_each_were_alone(tiny_model, kind):
+    """``Batch.inputs`` gives the models no attention mask: under a causal model a row's tokens
+    never attend to the padding after it, so a padded row's logits and values equal its own,
+    unpadded (up to float32 summation order)."""
+    lc = load_config(None, [f"learner.critic.kind={kind}"]).learner
+    models = build_models(lc, str(tiny_model), torch.float32, lambda module, lr: module)
+    torch.nn.init.normal_((models.policy if kind == "shared" else models.critic).head.proj.weight)
+
+    def score(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if kind == "shared":
+            return models.policy(ids)
+        return models.policy(ids), models.critic(ids)
+
+    batch = Batch.of([make_segment("oaaoaaao"), make_segment("oaa"), make_segment("ooaaa")])
+    ids, _ = batch.inputs([0, 1, 2])
+    with torch.no_grad():
+        logits, values = score(ids)
+        assert values.abs().max() > 0  # a head off its zero init: a real comparison
+        for row, n in enumerate(batch.lengths.tolist()):
+            alone_logits, alone_values = score(ids[row : row + 1, :n])
+            assert torch.allclose(logits[row, :n], alone_logits[0], atol=1e-5)
+            assert torch.allclose(values[row, :n], alone_values[0], atol=1e-5)
 
 
 @pytest.mark.parametrize(("mode", "boot"), [("critic", NEXT_VALUE), ("zero", 0.0)])

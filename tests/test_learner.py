@@ -105,7 +105,7 @@ def on_policy(batch: list[Segment], model: Path) -> list[Segment]:
     with torch.no_grad():
         for seg in batch:
             ids = torch.from_numpy(seg.tokens.astype("int64"))[None]
-            lp = token_logprobs(policy(ids, torch.ones_like(ids)), ids, temperature=1.0)[0].numpy()
+            lp = token_logprobs(policy(ids), ids, temperature=1.0)[0].numpy()
             seg.behavior_logprobs = np.where(seg.action_mask == 1, lp, 0.0).astype("<f4")
     return batch
 
@@ -497,7 +497,7 @@ def test_the_step_reports_the_entropy_of_pi_prox_on_action_tokens(new_learner, t
     with torch.no_grad():
         for seg in batch:
             ids = torch.from_numpy(seg.tokens.astype("int64"))[None]
-            p = torch.softmax(policy(ids, torch.ones_like(ids))[0, :-1], dim=-1)
+            p = torch.softmax(policy(ids)[0, :-1], dim=-1)
             h = -(p * p.log()).sum(-1)  # H of the distribution token t+1 was chosen from
             entropies.append(h[torch.from_numpy(seg.action_mask[1:].astype(bool))])
     stats = learner.train_step(batch)

@@ -148,9 +148,8 @@ def engine_vs_learner(smollm2: Path, dtype: str) -> tuple[torch.Tensor, list]:
     rows = [torch.tensor(p + g.token_ids) for p, g in zip(prompts, gens, strict=True)]
     policy = Policy(str(smollm2), torch.float32).eval()
     with torch.no_grad():
-        ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-        attn = torch.nn.utils.rnn.pad_sequence([torch.ones(len(r)) for r in rows], batch_first=True)
-        logits = policy(ids, attn.long())
+        ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # right-padded, as Batch
+        logits = policy(ids)
         learner_lp = token_logprobs(logits, ids.long(), params.temperature)
     gaps = [
         (learner_lp[i, len(p) : len(p) + len(g.token_ids)] - torch.tensor(g.logprobs)).abs()
