@@ -8,9 +8,10 @@ held-out evaluator. After a warm-up, over a window, the
 actors' own Prometheus counters and their processes' CPU time give episodes and tokens per
 actor CPU-second, the batch the engine ran (tokens / engine steps), forwards and encoded tokens
 per generated token and the share re-encoded after weight swaps; the whole system's episodes/s.
-With ``--profile`` py-spy samples actor 0's on-CPU stacks over the window and splits its CPU
-into engine prefill, decode and sampling, weights, episodes (environment, chat template,
-segments), sending, waiting for permits and the background threads.
+With ``--profile`` py-spy samples actor 0's and the learner's on-CPU stacks over the window and
+splits actor 0's CPU into engine prefill, decode and sampling, weights, episodes (environment,
+chat template, segments), sending, waiting for permits and the background threads; the
+learner's into receiving batches, scoring, the updates, records, publishing and checkpoints.
 
 Alone, in the same run: the engine loop the actor runs (``bench.rollout``'s (c), continuous
 batching with prefix reuse, one thread), CPU time over episodes of the same environment, model
@@ -85,8 +86,8 @@ ACTOR_COUNTERS = {  # Prometheus sample name -> field
     "asyncppo_actor_engine_reencoded_tokens_total": "reencoded_tokens",
     "asyncppo_actor_policy_version": "version",
 }
-# py-spy stacks of the actor's main thread, first rule that matches a frame wins
-CATEGORIES = (
+# py-spy stacks of a role's main thread, first rule that matches a frame wins
+ACTOR_CATEGORIES = (
     ("weights: verify and load", "Actor._load"),
     ("weights: other", "Actor.follow_versions"),
     ("permits", "Actor.request_permits"),
@@ -98,6 +99,19 @@ CATEGORIES = (
     ("episodes: environment, chat template, segments", "EnvDriver.start"),
     ("sending segments", "Actor.absorb"),
     ("metrics", "prometheus_client"),
+)
+LEARNER_CATEGORIES = (
+    ("batch: receive and check", "Trainer._get_batch"),
+    ("step: score (pi_prox, V)", "TrainStep.score"),
+    ("step: critic and policy updates", "TrainStep._optimise"),
+    ("step: other", "TrainStep."),
+    ("step: records", "Trainer._record"),
+    ("step: records", "Trainer._batch_facts"),
+    ("publish: export", "Trainer.export_weights"),
+    ("publish: pack and hash", "pack_state_dict"),
+    ("publish: other", "Trainer.publish"),
+    ("checkpoint", "Trainer.save_checkpoint"),
+    ("stop agreement", "Trainer._stop_agreed"),
 )
 
 
@@ -198,22 +212,27 @@ def measure(
     roles = {"broker": listener(base), "learner": listener(base + 1)}
     roles |= {f"actor{i}": p for i, (_, p) in enumerate(actors)}
     steps0 = scrape(base + 1)["asyncppo_learner_steps_total"]
-    spy = None
-    if profile:
-        spy = subprocess.Popen(
-            [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(actors[0][1].pid),
+    spied = {
+        "actor0": (actors[0][1], ACTOR_CATEGORIES),
+        "learner": (roles["learner"], LEARNER_CATEGORIES),
+    }
+    spies = {
+        role: subprocess.Popen(
+            [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(proc.pid),
              "--rate", "100", "--duration", str(int(window_s)), "--format", "raw",
-             "--nonblocking", "--output", str(run_dir / "actor0.stacks")],
+             "--nonblocking", "--output", str(run_dir / f"{role}.stacks")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
+        for role, (proc, _) in (spied.items() if profile else ())
+    }  # fmt: skip
     before = snapshot(actors, roles)
     time.sleep(window_s)
     after = snapshot(actors, roles)
     steps1 = scrape(base + 1)["asyncppo_learner_steps_total"]
     result = rates(before, after) | {"learner_steps_per_s": (steps1 - steps0) / window_s}
-    if spy is not None:
+    for role, spy in spies.items():
         spy.wait(timeout=window_s + 60)
-        result["actor0_cpu_breakdown"] = breakdown(run_dir / "actor0.stacks")
+        result[f"{role}_cpu_breakdown"] = breakdown(run_dir / f"{role}.stacks", spied[role][1])
     return result
 
 
@@ -268,8 +287,8 @@ def mean_rates(runs: list[dict]) -> dict[str, Any]:
     return {**first, **mean, "rounds": runs}
 
 
-def breakdown(stacks: Path) -> dict[str, float]:
-    """Share of actor 0's on-CPU samples per category (py-spy's raw format: a stack, a count)."""
+def breakdown(stacks: Path, categories: tuple[tuple[str, str], ...]) -> dict[str, float]:
+    """Share of a role's on-CPU samples per category (py-spy's raw format: a stack, a count)."""
     shares: Counter[str] = Counter()
     for line in stacks.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -277,7 +296,7 @@ def breakdown(stacks: Path) -> dict[str, float]:
             continue
         frames = stack.split(";")
         if frames[0].startswith("_run_module_as_main"):
-            category = next((name for name, pat in CATEGORIES if pat in stack), "loop and other")
+            category = next((name for name, pat in categories if pat in stack), "loop and other")
         else:  # a background thread, by the function its thread runs
             runs = [f for f in frames if not re.match(r"Thread\.|_bootstrap", f)]
             category = "thread: " + (runs[0].split(" (")[0] if runs else "?")
@@ -317,7 +336,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="maze")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="py-spy actor 0 over the window")
+    parser.add_argument("--profile", action="store_true", help="py-spy actor 0 and the learner")
     parser.add_argument("--baseline", help="also run `up` from a worktree of this revision")
     parser.add_argument("--window", type=float, default=90.0)
     parser.add_argument(

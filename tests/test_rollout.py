@@ -187,8 +187,9 @@ def rows_of(rows: dict, workload: str) -> list[str]:
 @pytest.mark.timeout(900)
 def test_the_in_system_benchmark_measures_the_actors_of_a_real_run(tmp_path: Path) -> None:
     """`python -m bench.insystem --quick --profile`: a real `asyncppo up`, the actors' counters
-    and CPU over a window, py-spy's split of actor 0's CPU, and the loop alone at the batch the
-    actors ran; the engine did most of what the actor spent its CPU on."""
+    and CPU over a window, py-spy's split of actor 0's and the learner's CPU, and the loop alone
+    at the batch the actors ran; the engine did most of what the actor spent its CPU on, the
+    steps most of the learner's."""
     out = tmp_path / "insystem.json"
     subprocess.run(
         [sys.executable, "-m", "bench.insystem", "--quick", "--profile", "--out", str(out)],
@@ -203,5 +204,7 @@ def test_the_in_system_benchmark_measures_the_actors_of_a_real_run(tmp_path: Pat
     assert 0 <= head["reencoded_fraction"] < 1
     engine = sum(v for k, v in head["actor0_cpu_breakdown"].items() if k.startswith("engine"))
     assert engine > 0.3, head["actor0_cpu_breakdown"]
+    step = sum(v for k, v in head["learner_cpu_breakdown"].items() if k.startswith("step"))
+    assert step > 0.3, head["learner_cpu_breakdown"]  # the learner's CPU went into its steps
     assert {"inflight 64"} <= set(report["alone"])
     assert out.with_suffix(".png").stat().st_size > 0

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.experiments.stats import EVAL_EVERY, held_out_at, seed_curves
+from bench.experiments.stats import EVAL_EVERY, episodes_behind, held_out_at, seed_curves
 
 
 def _curves(
@@ -55,10 +55,7 @@ def _held_out_curves(by_episodes: Any, by_seconds: Any, rs: list[dict], **kw: An
         np.mean([p["seconds"] for r in rs for p in r["held_out_curve"] if on_grid(p, v)])
         for v in versions
     ]
-    episodes = [  # trained before version v was published, mean over seeds
-        np.mean([r["episodes"][min(max(v, 1), len(r["episodes"])) - 1] for r in rs])
-        for v in versions
-    ]
+    episodes = [np.mean([episodes_behind(r, v) for r in rs]) for v in versions]  # over seeds
     by_episodes.plot(episodes, ys, **kw)
     by_seconds.plot(seconds, ys, **kw)
     by_episodes.set(
