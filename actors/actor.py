@@ -244,8 +244,9 @@ class Actor:
         M_VERIFY.observe(t1 - t0)
         M_LOAD.observe(now - t1)
         M_SYNC.observe(now - started)
+        held = 0.0 if self._held_since is None else now - self._held_since
         if self._held_since is not None:
-            M_PAUSE.observe(now - self._held_since)
+            M_PAUSE.observe(held)
             self._held_since = None
         M_VERSION.set(manifest["version"])
         bind_version(manifest["version"])
@@ -255,6 +256,7 @@ class Actor:
             bytes=manifest["total_bytes"],
             transfer_s=round(pieces.done_at - started, 3),
             load_s=round(now - t1, 3),
+            rollouts_held_s=round(held, 3),
         )
 
     # -------------------------------------------------------------- permits

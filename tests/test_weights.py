@@ -5,6 +5,7 @@ broker's memory does not grow with a version's size, and actors play on while th
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import threading
@@ -19,6 +20,7 @@ from test_broker import start_broker, wait_until  # noqa: F401  (the fixture)
 from actors.actor import Actor
 from actors.link import WeightsClient
 from bench.weights import PORT, Network, address, last_json
+from bench.weights_system import events, per_version
 from common.config import SecurityConfig, load_config
 from common.peers import PeerServer, fetch, slow
 from common.pieces import Pieces
@@ -445,3 +447,30 @@ def test_a_broker_killed_mid_transfer_does_not_stop_the_bytes(tmp_path):
         done = hosts.done(names)
         assert all("verified" in d for d in done.values()), done
         assert all(len(d["sources"]) == 1 for d in done.values()), done  # no source lost
+
+
+def test_the_system_weights_bench_times_each_actor_to_the_version_or_a_newer_one(tmp_path):
+    """bench.weights_system's reading of the roles' JSON logs: per version published after
+    every actor was up, when each actor had loaded it or one that overtook it."""
+
+    def line(event: str, second: float, **fields) -> str:
+        stamp = f"2026-12-07T10:00:{second:06.3f}Z"
+        return json.dumps({"event": event, "timestamp": stamp, **fields})
+
+    learner = tmp_path / "learner.log"
+    learner.write_text("\n".join(
+        ["not json", *(line("published weights", 10.0 * v, version=v, bytes=100) for v in range(4))]
+    ))  # fmt: skip
+    loaded = lambda s, v, held=0.0: line(  # noqa: E731
+        "weights loaded", s, version=v, transfer_s=0.5, rollouts_held_s=held
+    )
+    a0, a1 = tmp_path / "a0.log", tmp_path / "a1.log"
+    a0.write_text("\n".join([loaded(1.0, 0), loaded(12.0, 1), loaded(21.5, 2, 0.25)]))
+    a1.write_text("\n".join([loaded(5.0, 0), loaded(14.0, 1), loaded(33.0, 3)]))  # skips 2
+    published = events(learner, "published weights")
+    assert [e["version"] for e in published] == [0, 1, 2, 3]
+    rows = per_version(published, [events(a0, "weights loaded"), events(a1, "weights loaded")])
+    assert [r["version"] for r in rows] == [1, 2]  # v0 came before both were up; v3 a0 never had
+    assert rows[0]["seconds_to_each"] == pytest.approx([2.0, 4.0])
+    assert rows[1]["seconds_to_each"] == pytest.approx([1.5, 13.0]) and rows[1]["skipped_by"] == 1
+    assert rows[1]["rollouts_held_s"] == [0.25, 0.0]
