@@ -194,7 +194,7 @@ def evaluate(
     seeds = [seed for seed, _ in instances]
     tokens = play(
         cfg.actor, engine, fmt, seeds, on_turn=turned, on_end=ended, should_stop=should_stop,
-        beat=lambda what: beat("evaluating"),
+        beat=lambda what: beat("evaluating"), sampling_seed=cfg.eval.sampling_seed,
     )  # fmt: skip
     if tokens is None:
         return None

@@ -9,6 +9,7 @@ given instances with no broker at all (held-out evaluation, critic pre-training)
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -46,9 +47,15 @@ class Rollouts:
     """
 
     def __init__(
-        self, engine: Engine, *, temperature: float, top_p: float, reuse_prefix: bool = True
+        self,
+        engine: Engine,
+        *,
+        temperature: float,
+        top_p: float,
+        reuse_prefix: bool = True,
+        seed_of: Callable[[Episode], int | None] = lambda episode: None,
     ) -> None:
-        self.engine = engine
+        self.engine, self.seed_of = engine, seed_of
         self.temperature, self.top_p = temperature, top_p
         self.reuse_prefix = reuse_prefix
         self.episodes: dict[str, Episode] = {}
@@ -61,7 +68,8 @@ class Rollouts:
 
     def params(self, episode: Episode) -> SamplingParams:
         """The sampling of the episode's next action: the environment's budget and stops, the
-        chat format's end-of-turn tokens, the actor's temperature and top-p."""
+        chat format's end-of-turn tokens, the actor's temperature and top-p, and ``seed_of``'s
+        seed (None: the engine draws one)."""
         env = episode.env
         return SamplingParams(
             max_new_tokens=env.max_new_tokens,
@@ -69,6 +77,7 @@ class Rollouts:
             top_p=self.top_p,
             stop=list(env.stop),
             stop_token_ids=episode.fmt.stop_token_ids,
+            seed=self.seed_of(episode),
         )
 
     def add(self, episode: Episode) -> None:
@@ -194,6 +203,13 @@ class EnvDriver:
         )
 
 
+def turn_seed(base: int, position: int, turn: int) -> int:
+    """A sampling seed for one turn of one position in a list of instances (62 bits, as the
+    engines draw their own)."""
+    key = f"{base}/{position}/{turn}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> 2
+
+
 def play(
     ac: ActorConfig,
     engine: Engine,
@@ -204,13 +220,23 @@ def play(
     on_end: Callable[[int, Episode | None, str | None], None] = lambda i, ep, error: None,
     should_stop: Callable[[], bool] = lambda: False,
     beat: Callable[[str], None] = lambda what: None,
+    sampling_seed: int | None = None,
 ) -> int | None:
     """Play instance ``seeds[i]`` once for every i, ``actor.max_inflight_episodes`` at a time,
     with the engine's weights and the actor's sampling; no broker, nothing sent. ``on_turn`` sees
     every turn an episode survives, ``on_end`` every episode's end (None and the error when its
-    environment failed). The tokens generated, or None when ``should_stop()`` ended it early."""
-    rollouts = Rollouts(engine, temperature=ac.temperature, top_p=ac.top_p)
-    pending, index = list(enumerate(seeds)), {}
+    environment failed). With a ``sampling_seed`` turn t of ``seeds[i]`` samples with the seed
+    ``turn_seed(sampling_seed, i, t)``: every policy played on the same list gets the same draws.
+    The tokens generated, or None when ``should_stop()`` ended it early."""
+    index: dict[str, int] = {}
+
+    def seed_of(episode: Episode) -> int | None:
+        if sampling_seed is None:
+            return None
+        return turn_seed(sampling_seed, index[episode.episode_id], episode.turns)
+
+    rollouts = Rollouts(engine, temperature=ac.temperature, top_p=ac.top_p, seed_of=seed_of)
+    pending = list(enumerate(seeds))
     tokens = 0
     while pending or len(rollouts):
         if should_stop():

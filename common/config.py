@@ -485,6 +485,13 @@ class EvalConfig:
         "Upper edges of the horizon buckets (turns an instance needs) that the held-out set is "
         "stratified over and scored per: [5, 15, 50] is 1-5, 6-15, 16-50.",
     )
+    sampling_seed: int | None = param(
+        None,
+        "Seed of the held-out episodes' sampling: turn t of the i-th instance samples from a "
+        "generator seeded by (this, i, t), so every policy scored is dealt the same random draws "
+        "(a paired comparison: versions and arms then differ by their policies, not their luck); "
+        "null: fresh draws every evaluation.",
+    )
     value_samples: int = param(
         16,
         "`eval --checkpoint`: plays of every held-out instance; a state's Monte-Carlo value is "

@@ -12,9 +12,12 @@ import urllib.request
 import pytest
 from conftest import free_port, smoke_args
 
+from actors.chat import ChatFormat
+from actors.engines import TorchEngine
 from actors.envs import make_env
 from actors.envs.base import HELD_OUT, train_seed
 from actors.evaluation import bucket_name, held_out_instances, wilson
+from actors.play import play
 from common.config import ConfigError, load_config
 from deploy.cli import main
 
@@ -98,6 +101,30 @@ def test_eval_command_scores_a_model_directory_on_held_out_instances(tmp_path, t
     assert lo <= result["success"] <= hi
     assert all(r["turns"] >= 1 and r["error"] is None for r in result["records"])
     assert "held-out maze instances" in capfd.readouterr().out
+
+
+def test_a_sampling_seed_deals_every_policy_the_same_draws(tiny_model):
+    """``eval.sampling_seed``: turn t of the i-th instance samples with a seed of (seed, i, t),
+    so playing the list again replays every episode token for token, another seed plays others,
+    and the same instance at another position of the list is dealt other draws."""
+    cfg = load_config(None, [f"model.path={tiny_model}", "actor.env=maze",
+                             "actor.env_kwargs={max_turns: 6}", "actor.max_turns=6"])  # fmt: skip
+    engine = TorchEngine(str(tiny_model))
+    fmt, seeds = ChatFormat(engine.tokenizer), [HELD_OUT + 1, HELD_OUT + 2, HELD_OUT + 1]
+
+    def played(sampling_seed: int) -> list[list[int]]:
+        got: dict[int, list[int]] = {}
+
+        def ended(i, episode, error) -> None:
+            got[i] = [t for segment in episode.segments for t in segment.tokens.tolist()]
+
+        play(cfg.actor, engine, fmt, seeds, on_end=ended, sampling_seed=sampling_seed)
+        return [got[i] for i in range(len(seeds))]
+
+    first = played(7)
+    assert played(7) == first
+    assert played(8) != first
+    assert first[0] != first[2]
 
 
 @pytest.mark.system
