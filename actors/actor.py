@@ -244,10 +244,10 @@ class Actor:
         M_VERIFY.observe(t1 - t0)
         M_LOAD.observe(now - t1)
         M_SYNC.observe(now - started)
-        held = 0.0 if self._held_since is None else now - self._held_since
+        held = 0.0  # seconds rollouts waited for this version
         if self._held_since is not None:
+            held, self._held_since = now - self._held_since, None
             M_PAUSE.observe(held)
-            self._held_since = None
         M_VERSION.set(manifest["version"])
         bind_version(manifest["version"])
         log.info(
