@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,14 @@ class Network:
         with open(log, "wb") as out:
             return spawn(["ip", "netns", "exec", self.ns(host), sys.executable, *args], cwd=ROOT,
                          env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def kill_all(procs: Iterable[subprocess.Popen]) -> None:
+    """SIGKILL every process ``Network.start`` started that still runs, its whole group."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 # --------------------------------------------------------------------------- the roles
@@ -253,10 +262,7 @@ def run(
               flush=True)  # fmt: skip
         return row
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        kill_all(procs)
 
 
 def plot(report: dict, path: Path) -> None:

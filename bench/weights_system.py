@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.record import SCRATCH, write_report
-from bench.weights import PORT, ROOT, Network, address
+from bench.weights import PORT, ROOT, Network, address, kill_all
 
 CONFIG = "configs/smollm2-arith.yaml"
 MODEL = "runs/models/smollm2-135m-instruct"
@@ -100,10 +99,7 @@ def run(net: Network, logs: Path, design: str, n: int, steps: int) -> dict[str, 
             raise RuntimeError(f"the learner failed: see {learner_log}")
         time.sleep(10.0)  # the last version reaches every actor
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        kill_all(procs.values())
     published = events(learner_log, "published weights")
     versions = per_version(published, [events(logs / f"{design}-a{i}.log", "weights loaded")
                                        for i in range(n)])  # fmt: skip

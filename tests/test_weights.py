@@ -19,7 +19,7 @@ from test_broker import start_broker, wait_until  # noqa: F401  (the fixture)
 
 from actors.actor import Actor
 from actors.link import WeightsClient
-from bench.weights import PORT, Network, address, last_json
+from bench.weights import PORT, Network, address, kill_all, last_json
 from bench.weights_system import events, per_version
 from common.config import SecurityConfig, load_config
 from common.peers import PeerServer, fetch, slow
@@ -381,10 +381,7 @@ class Hosts:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        kill_all(self.procs.values())
         self.net.remove()
 
 
